@@ -1,0 +1,3 @@
+from ma_runtime.cli import main
+
+raise SystemExit(main())

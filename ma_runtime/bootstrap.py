@@ -1,0 +1,229 @@
+"""`ma-runtime run`: the flow of DESIGN.md, read top to bottom like tini's main()."""
+
+import json
+import os
+import sys
+import uuid
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from ma_runtime import __version__, logs, spec as spec_module, termination
+from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
+from ma_runtime.launch.args import build_argv
+from ma_runtime.output import Sink, tail_of
+from ma_runtime.redact import Masker
+from ma_runtime.supervise import guard as guard_module
+from ma_runtime.supervise.pid1 import SignalQueue, become_subreaper, is_pid1
+from ma_runtime.supervise.supervisor import Outcome, Supervisor
+from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, spawn
+
+TAIL_LINES = 20
+# The resolved settings that have a platform name are exported to the command
+# under that name, so it sees the same job the runtime saw.
+_EXPORTED = ("ma_home", "mount_path", "job_dir", "log_dir", "task_name", "task_index", "num_hosts", "num_gpus",
+             "proc_start_cnt", "schedule_cnt", "vj_name")
+
+
+def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], print_config: bool) -> int:
+    masker = Masker.from_environ()
+    logs.configure(_early_log_format(), masker=masker)
+    log = logs.get_logger()
+    context = _Context(masker)
+    try:
+        spec = spec_module.load(flags, os.environ, config_file)
+        if print_config:
+            _print_config(spec, command, masker)
+            return ExitCode.OK
+        if not command:
+            raise ConfigError("no command given", hint="usage: ma-run [OPTIONS] [--] CMD...")
+        logs.configure(spec.log_format, spec.log_level, masker)
+        context.spec = spec
+        context.open_task_log()
+        for note in spec.notes:
+            log.info(note)
+        return _run_command(spec, command, context)
+    except RuntimeFailure as failure:
+        return context.fail(failure)
+    finally:
+        context.close()
+
+
+class _Context:
+    """What the finishing steps need, whichever stage the run reached."""
+
+    def __init__(self, masker: Masker):
+        self.masker = masker
+        self.spec: Optional[spec_module.JobSpec] = None
+        self.task_log: Optional[Sink] = None
+        self.k8s_path = termination.kubernetes_path(os.environ)
+        # Taken before the command runs, so that its own message can be told apart.
+        self.k8s_before = termination.snapshot(self.k8s_path)
+
+    def open_task_log(self) -> None:
+        path = self.spec.task_log_path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.task_log = Sink.open_append(str(path))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the task log {path}: {exc.strerror}",
+                hint="set MA_LOG_DIR (or --log-dir) to a writable directory",
+            ) from None
+        logs.add_sink(self.task_log)
+
+    def fail(self, failure: RuntimeFailure) -> int:
+        logs.get_logger().error(
+            f"error,exiting: {failure.reason}",
+            hint=failure.hint or None,
+            stage=failure.stage,
+            exit_code=int(failure.exit_code),
+        )
+        self.write_termination(
+            stage=failure.stage,
+            category=failure.category.value,
+            exit_code=int(failure.exit_code),
+            reason=failure.reason,
+            hint=failure.hint,
+        )
+        return int(failure.exit_code)
+
+    def write_termination(self, **fields) -> None:
+        if self.spec is None or self.task_log is None:
+            return  # no usable log directory: the error line on stderr is all we have
+        message = termination.build(masker=self.masker, **fields)
+        try:
+            kept = not termination.write(message, self.spec.termination_path, self.k8s_path, self.k8s_before)
+        except OSError as exc:
+            logs.get_logger().warning("could not write the termination message", error=str(exc))
+            return
+        if kept:
+            logs.get_logger().info("kept the termination message the command wrote", path=str(self.k8s_path))
+
+    def close(self) -> None:
+        if self.task_log is not None:
+            logs.remove_sink(self.task_log)
+            self.task_log.close()
+
+
+def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context) -> int:
+    log = logs.get_logger()
+    run_id = uuid.uuid4().hex[:12]
+    argv = build_argv(command, spec.hyperparameters)
+    pid1 = is_pid1()
+    # Before any thread or worker exists: the guard is a fork of this process.
+    guard = None if pid1 else guard_module.start(run_id)
+    if not pid1 and not become_subreaper():
+        log.warning("could not become a child subreaper; orphans will go to init")
+    signals = SignalQueue()
+    try:
+        worker = spawn(
+            argv,
+            _worker_env(spec, run_id),
+            cwd=None,
+            stdout_sinks=[Sink(sys.stdout.fileno(), "<stdout>"), context.task_log],
+            stderr_sinks=[logs.stderr_sink(), context.task_log],
+        )
+        log.info(
+            "started command",
+            version=__version__,
+            argv=argv,
+            pid=worker.pid,
+            pid1=pid1,
+            run_id=run_id,
+            attempt=spec.proc_start_cnt,
+            task_log=str(spec.task_log_path),
+        )
+        exclude = (guard.pid,) if guard else ()
+        outcome = Supervisor(worker, signals, spec.stop_grace_seconds, log, exclude).run()
+    finally:
+        signals.close()
+        if guard:
+            guard.stand_down()
+    return _finish(outcome, worker, context)
+
+
+def _worker_env(spec: spec_module.JobSpec, run_id: str) -> Dict[str, str]:
+    env = dict(os.environ)
+    for name in _EXPORTED:
+        value = getattr(spec, name)
+        if value is not None:
+            env[spec_module.SETTINGS_BY_NAME[name].env] = str(value)
+    env[guard_module.LINEAGE_ENV] = guard_module.lineage(os.environ, run_id)
+    return env
+
+
+def _finish(outcome: Outcome, worker: Worker, context: _Context) -> int:
+    log = logs.get_logger()
+    signal_name = SIGNAL_NAMES.get(-outcome.returncode) if outcome.returncode < 0 else None
+    log.info(
+        "command exited",
+        exit_code=outcome.exit_code,
+        returncode=outcome.returncode,
+        signal=signal_name,
+        duration_s=round(outcome.duration, 3),
+        leftovers=outcome.leftovers,
+    )
+    if outcome.exit_code != 0:
+        reason, category, hint = _explain(outcome, signal_name)
+        context.write_termination(
+            stage="supervise",
+            category=category,
+            exit_code=outcome.exit_code,
+            signal=signal_name if outcome.returncode < 0 else _stop_name(outcome),
+            reason=reason,
+            hint=hint,
+            tail=_tail(worker),
+        )
+    return outcome.exit_code
+
+
+def _stop_name(outcome: Outcome) -> Optional[str]:
+    return SIGNAL_NAMES.get(outcome.stop_signal) if outcome.stop_signal else None
+
+
+def _explain(outcome: Outcome, signal_name: Optional[str]):
+    """(reason, category, hint) for a non-zero exit."""
+    if outcome.stop_signal is not None:
+        stop = SIGNAL_NAMES[outcome.stop_signal]
+        if outcome.forced:
+            return (
+                f"stopped by {stop}; the command did not exit within the grace period and was killed",
+                Category.PLATFORM.value,
+                "handle SIGTERM in the training code (save and exit), or raise MA_RUNTIME_STOP_GRACE_SECONDS",
+            )
+        return f"stopped by {stop}", Category.PLATFORM.value, ""
+    if signal_name == "SIGKILL":
+        return (
+            "the command was killed by SIGKILL",
+            Category.INFRASTRUCTURE.value,
+            "SIGKILL from nobody we know of is often the out-of-memory killer: check memory use",
+        )
+    if signal_name:
+        return f"the command died of {signal_name}", Category.USER.value, "see the last lines of its output"
+    return f"the command exited with code {outcome.exit_code}", Category.USER.value, "see the last lines of its output"
+
+
+def _tail(worker: Worker) -> List[str]:
+    return tail_of(worker.pumps, TAIL_LINES, prefer=worker.stderr_pump)
+
+
+def _early_log_format() -> str:
+    # Before the spec is valid, a bad MA_RUNTIME_LOG_FORMAT must not hide the error.
+    fmt = (os.environ.get("MA_RUNTIME_LOG_FORMAT") or "logfmt").strip().lower()
+    return fmt if fmt in spec_module.LOG_FORMATS else "logfmt"
+
+
+def _print_config(spec: spec_module.JobSpec, command: Sequence[str], masker: Masker) -> None:
+    document = {
+        "settings": spec.settings(),
+        "sources": dict(spec.sources),
+        "config_file": str(spec.config_file) if spec.config_file else None,
+        "hyperparameters": dict(spec.hyperparameters),
+        "task_log": str(spec.task_log_path),
+        "termination_message": str(spec.termination_path),
+        "command": list(command),
+        "argv": build_argv(command, spec.hyperparameters) if command else [],
+        "notes": list(spec.notes),
+    }
+    sys.stdout.write(json.dumps(masker.data(document), indent=2) + "\n")
+    sys.stdout.flush()
+

@@ -1,0 +1,118 @@
+"""Argument parsing only: `ma-runtime`, and `ma-run` (= `ma-runtime run`).
+
+`ma-run [OPTIONS] [--] CMD...`: the first word that is not one of our options
+starts the command, so `ma-run python train.py --lr 1` never mistakes `--lr`
+for ours. Usage errors print one line and exit with "bad configuration".
+"""
+
+import argparse
+import sys
+from typing import List, NoReturn, Optional, Sequence, Tuple
+
+from ma_runtime import __version__
+from ma_runtime.errors import ExitCode
+from ma_runtime.spec import CONFIG_ENV, SETTINGS
+
+_EXIT_CODES = "\n".join(
+    f"  {int(code):>3}  {code.name.lower().replace('_', ' ')}" for code in ExitCode if code != ExitCode.OK
+)
+_RUN_EPILOG = f"""\
+the command's own exit code passes through; death by signal N gives 128+N.
+exit codes of the runtime itself:
+{_EXIT_CODES}
+
+every option can also be set by its environment variable (shown as the
+metavar) or by the same key in the job file; flags > env > file > defaults.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with one-line errors and the "bad configuration" exit code."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(ExitCode.BAD_CONFIGURATION)
+
+
+def _run_parser(prog: str) -> _Parser:
+    parser = _Parser(
+        prog=prog,
+        usage=f"{prog} [OPTIONS] [--] CMD...",
+        description="Run CMD as a supervised training command (PID-1 duties, logs, exit codes).",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE", help=f"YAML job file (env {CONFIG_ENV})")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved job settings as JSON (secrets masked) and exit"
+    )
+    for setting in SETTINGS:
+        parser.add_argument(setting.flag, dest=setting.name, metavar=setting.env, help=setting.help)
+    return parser
+
+
+def split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(our options, the command): the command starts at `--` or at the first non-option."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return list(argv[:i]), list(argv[i + 1 :])
+        if not word.startswith("-") or word == "-":
+            return list(argv[:i]), list(argv[i:])
+        action = parser._option_string_actions.get(word.split("=", 1)[0])
+        if action is None:
+            parser.error(f"unknown option {word.split('=', 1)[0]}; put the command after -- if it is the command's")
+        takes_value = action.nargs != 0 and "=" not in word
+        i += 2 if takes_value else 1
+    return list(argv), []
+
+
+def run_main(argv: Sequence[str], prog: str) -> int:
+    parser = _run_parser(prog)
+    ours, command = split_command(parser, argv)
+    options = parser.parse_args(ours)
+    flags = {s.name: getattr(options, s.name) for s in SETTINGS if getattr(options, s.name) is not None}
+    # Imported here: `ma-runtime version` and `--help` should not pay for structlog.
+    from ma_runtime import bootstrap
+
+    return bootstrap.run(flags, options.config, command, options.print_config)
+
+
+def _top_parser() -> _Parser:
+    parser = _Parser(
+        prog="ma-runtime",
+        description="The first program in a ModelArts-style training container.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"ma-runtime {__version__}")
+    commands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+    commands.add_parser("run", help="run a command under supervision (same as ma-run)", add_help=False)
+    commands.add_parser("version", help="print the version and exit")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        # `run` parses its own options: the command after them is not ours to parse.
+        return run_main(argv[1:], "ma-runtime run")
+    options = _top_parser().parse_args(argv)
+    if options.subcommand == "version":
+        print(f"ma-runtime {__version__}")
+        return 0
+    _top_parser().print_help()
+    return 0 if not argv else ExitCode.BAD_CONFIGURATION
+
+
+def ma_run(argv: Optional[Sequence[str]] = None) -> int:
+    return run_main(list(sys.argv[1:] if argv is None else argv), "ma-run")
+
+
+def entry_main() -> NoReturn:
+    sys.exit(main())
+
+
+def entry_ma_run() -> NoReturn:
+    sys.exit(ma_run())

@@ -1,0 +1,69 @@
+"""Exit codes, failure categories and the exceptions that carry them.
+
+This is the one table of the runtime's own exit codes; the README repeats it.
+A training command's own exit code passes through unchanged, and a death by
+signal N becomes 128+N, so the runtime's codes sit where shells and sysexits(3)
+leave room: 70 and 78 are EX_SOFTWARE and EX_CONFIG, 79-83 follow EX_CONFIG.
+"""
+
+import enum
+from typing import Optional
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    INTERNAL_ERROR = 70
+    BAD_CONFIGURATION = 78
+    PREFLIGHT_FAILED = 79
+    STORAGE_FAILED = 80
+    TIMED_OUT = 81
+    RESTARTS_EXHAUSTED = 82
+    HANG_DETECTED = 83
+    COMMAND_NOT_EXECUTABLE = 126
+    COMMAND_NOT_FOUND = 127
+
+
+class Category(str, enum.Enum):
+    """Who has to act: the job's author, the platform, or the node/network."""
+
+    USER = "user"
+    PLATFORM = "platform"
+    INFRASTRUCTURE = "infrastructure"
+
+
+class RuntimeFailure(Exception):
+    """A failure of one of the runtime's own stages; ends the run with `exit_code`."""
+
+    exit_code = ExitCode.INTERNAL_ERROR
+    category = Category.PLATFORM
+    stage = "runtime"
+
+    def __init__(self, reason: str, hint: str = "", stage: Optional[str] = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.hint = hint
+        if stage:
+            self.stage = stage
+
+
+class ConfigError(RuntimeFailure):
+    exit_code = ExitCode.BAD_CONFIGURATION
+    category = Category.USER
+    stage = "spec"
+
+
+class CommandNotFound(RuntimeFailure):
+    exit_code = ExitCode.COMMAND_NOT_FOUND
+    category = Category.USER
+    stage = "launch"
+
+
+class CommandNotExecutable(RuntimeFailure):
+    exit_code = ExitCode.COMMAND_NOT_EXECUTABLE
+    category = Category.USER
+    stage = "launch"
+
+
+def exit_code_of_status(returncode: int) -> int:
+    """Popen-style return code (negative = killed by signal) to a shell exit code."""
+    return 128 - returncode if returncode < 0 else returncode

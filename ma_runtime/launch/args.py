@@ -1,0 +1,89 @@
+"""Appending `--name=value` arguments to the command, the platform's way (001:990-1006).
+
+A command given as several words runs as it is, with no shell, and the
+arguments become extra words. A command given as one word that contains shell
+syntax (`'python a.py; python train.py'`) is the platform's start-command form:
+it runs through `/bin/sh -c`, and the arguments, each shell-quoted, are inserted
+right after the last word of its last simple command, so that a trailing `;`,
+`&`, `)` or `# comment` does not swallow them.
+"""
+
+import shlex
+from typing import List, Sequence, Tuple
+
+SHELL = "/bin/sh"
+# Characters that make a one-word command shell syntax rather than a program name.
+_SHELL_SYNTAX = set(" \t\n;&|<>()$`\\\"'*?[]#~=%{}")
+_OPERATOR_CHARS = set(";&|<>()")
+
+
+def is_shell_form(command: Sequence[str]) -> bool:
+    return len(command) == 1 and any(c in _SHELL_SYNTAX for c in command[0])
+
+
+def format_arguments(pairs: Sequence[Tuple[str, str]]) -> List[str]:
+    return [f"--{name}={value}" for name, value in pairs]
+
+
+def build_argv(command: Sequence[str], pairs: Sequence[Tuple[str, str]]) -> List[str]:
+    """The argv to exec: the command with the arguments appended."""
+    extra = format_arguments(pairs)
+    if not is_shell_form(command):
+        return list(command) + extra
+    script = command[0]
+    if extra:
+        script = insert_after_last_word(script, " ".join(shlex.quote(arg) for arg in extra))
+    return [SHELL, "-c", script]
+
+
+def insert_after_last_word(script: str, text: str) -> str:
+    end = _end_of_last_word(script)
+    if end is None:
+        return f"{script} {text}"
+    return f"{script[:end]} {text}{script[end:]}"
+
+
+def _end_of_last_word(script: str):
+    """Index just past the last shell word (not operator, comment or blank), or None.
+
+    A small lexer: it knows quotes, backslash escapes, comments and operators,
+    which is all it takes to find where the last simple command's words end.
+    """
+    end = None
+    i, n = 0, len(script)
+    in_word = False
+    while i < n:
+        c = script[i]
+        if c == "\\" and i + 1 < n:
+            i, in_word = i + 2, True
+            end = i
+            continue
+        if c in ("'", '"'):
+            i = _skip_quoted(script, i)
+            in_word, end = True, i
+            continue
+        if c == "#" and not in_word:
+            while i < n and script[i] != "\n":
+                i += 1
+            continue
+        if c.isspace() or c in _OPERATOR_CHARS:
+            in_word = False
+            i += 1
+            continue
+        in_word = True
+        i += 1
+        end = i
+    return end
+
+
+def _skip_quoted(script: str, start: int) -> int:
+    quote = script[start]
+    i = start + 1
+    while i < len(script):
+        if script[i] == "\\" and quote == '"' and i + 1 < len(script):
+            i += 2
+            continue
+        if script[i] == quote:
+            return i + 1
+        i += 1
+    return len(script)

@@ -1,0 +1,308 @@
+"""JobSpec: the one frozen description of the job, and where each value came from.
+
+Every setting is one row of `SETTINGS`: its name (also the job-file key and the
+`--flag`), the environment variable that sets it, how a string is parsed, and its
+default. Sources are applied in one order, flags > env > file > defaults, so a
+value's provenance is always one of those four words and `--print-config` can
+show it.
+"""
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ma_runtime.errors import ConfigError
+
+PLATFORM_HOME = Path("/home/ma-user")
+LOG_FORMATS = ("logfmt", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# The platform's hyperparameter names (001:2959-2982): at most 64 of [A-Za-z0-9_-].
+_HYPERPARAMETER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+class BadValue(ValueError):
+    """A parser's complaint; the caller adds which variable, key or flag it was."""
+
+
+def _integer(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise BadValue(f"is not a whole number (expected an integer >= {minimum})") from None
+        if value < minimum:
+            raise BadValue(f"must be >= {minimum}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise BadValue("is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise BadValue("must be a finite number of seconds >= 0")
+    return value
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = str(text).strip().lower()
+        if value not in choices:
+            raise BadValue(f"must be one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _path(text: str) -> Path:
+    if not str(text).strip():
+        raise BadValue("is an empty path")
+    return Path(str(text)).expanduser()
+
+
+def _matching(pattern: "re.Pattern[str]", what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = str(text).strip()
+        if not pattern.match(value):
+            raise BadValue(f"is not a valid {what}")
+        return value
+
+    return parse
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    default: Any = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+# Path defaults are None here: they derive from MA_HOME once it is resolved.
+SETTINGS: Tuple[Setting, ...] = (
+    Setting("ma_home", "MA_HOME", _path, "job home directory (platform: /home/ma-user)"),
+    Setting("mount_path", "MA_MOUNT_PATH", _path, "ModelArts working mount (default: MA_HOME/modelarts)"),
+    Setting("job_dir", "MA_JOB_DIR", _path, "parent of the code directory (default: MA_MOUNT_PATH/user-job-dir)"),
+    Setting("log_dir", "MA_LOG_DIR", _path, "task log directory (default: MA_MOUNT_PATH/log)"),
+    Setting("vj_name", "MA_VJ_NAME", _matching(_JOB_ID, "Volcano job name"), "Volcano job name, ma-job-<uuid>"),
+    Setting("task_name", "MA_TASK_NAME", _matching(_TASK_NAME, "task name"), "container role", "worker"),
+    Setting("task_index", "VC_TASK_INDEX", _integer(0), "this container's index in the job", 0),
+    Setting("num_hosts", "MA_NUM_HOSTS", _integer(1), "number of nodes in the job", 1),
+    Setting("num_gpus", "MA_NUM_GPUS", _integer(0), "accelerator cards (GPU or NPU) in this container", 0),
+    Setting("proc_start_cnt", "MA_PROC_START_CNT", _integer(1), "times the command has started in this pod", 1),
+    Setting("schedule_cnt", "MA_SCHEDULE_CNT", _integer(1), "times this pod has been scheduled", 1),
+    Setting(
+        "stop_grace_seconds",
+        "MA_RUNTIME_STOP_GRACE_SECONDS",
+        _seconds,
+        "seconds between forwarding SIGTERM/SIGINT and SIGKILL",
+        15.0,
+    ),
+    Setting("log_format", "MA_RUNTIME_LOG_FORMAT", _choice(LOG_FORMATS), "logfmt or json", "logfmt"),
+    Setting("log_level", "MA_RUNTIME_LOG_LEVEL", _choice(LOG_LEVELS), "debug, info, warning or error", "info"),
+)
+SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
+# Job-file keys that are not single settings.
+FILE_ONLY_KEYS = ("hyperparameters",)
+CONFIG_ENV = "MA_RUNTIME_CONFIG"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    ma_home: Path
+    mount_path: Path
+    job_dir: Path
+    log_dir: Path
+    vj_name: Optional[str]
+    task_name: str
+    task_index: int
+    num_hosts: int
+    num_gpus: int
+    proc_start_cnt: int
+    schedule_cnt: int
+    stop_grace_seconds: float
+    log_format: str
+    log_level: str
+    # Ordered (name, value) pairs, appended to the command as --name=value.
+    hyperparameters: Tuple[Tuple[str, str], ...] = ()
+    config_file: Optional[Path] = None
+    # Where each setting's value came from: "flag", "env", "file" or "default".
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    # Things the log should say once logging is up (e.g. the laptop fallback).
+    notes: Tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    @property
+    def job_id(self) -> str:
+        """`ma-job-<uuid>` and `modelarts-job-<uuid>` both give `<uuid>`; unset gives `local`."""
+        name = self.vj_name or "local"
+        for prefix in ("ma-job-", "modelarts-job-"):
+            if name.startswith(prefix) and len(name) > len(prefix):
+                return name[len(prefix) :]
+        return name
+
+    @property
+    def log_stem(self) -> str:
+        """`modelarts-job-<uuid>-<task name>-<task index>`, the platform's log name."""
+        return f"modelarts-job-{self.job_id}-{self.task_name}-{self.task_index}"
+
+    @property
+    def task_log_path(self) -> Path:
+        return self.log_dir / f"{self.log_stem}.log"
+
+    @property
+    def termination_path(self) -> Path:
+        return self.log_dir / f"{self.log_stem}-termination.json"
+
+    def settings(self) -> Dict[str, Any]:
+        """The resolved settings as JSON-ready data (paths as strings)."""
+        values = {s.name: getattr(self, s.name) for s in SETTINGS}
+        return {name: str(v) if isinstance(v, Path) else v for name, v in values.items()}
+
+
+def load(
+    flags: Mapping[str, str],
+    environ: Mapping[str, str],
+    config_file: Optional[str] = None,
+) -> JobSpec:
+    """Builds the JobSpec; raises ConfigError naming the variable, key or flag at fault."""
+    config_path = _config_path(config_file, environ)
+    file_values = _read_job_file(config_path) if config_path else {}
+    values: Dict[str, Any] = {}
+    sources: Dict[str, str] = {}
+    for setting in SETTINGS:
+        found = _resolve(setting, flags, environ, file_values)
+        if found is not None:
+            values[setting.name], sources[setting.name] = found
+    notes = _fill_defaults(values, sources)
+    return JobSpec(
+        **values,
+        hyperparameters=_hyperparameters(file_values.get("hyperparameters")),
+        config_file=config_path,
+        sources=sources,
+        notes=tuple(notes),
+    )
+
+
+def _config_path(flag_value: Optional[str], environ: Mapping[str, str]) -> Optional[Path]:
+    text = flag_value if flag_value is not None else environ.get(CONFIG_ENV) or None
+    if text is None:
+        return None
+    where = "--config" if flag_value is not None else CONFIG_ENV
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{where}={text}: no such job file", hint="give the path of a YAML job file")
+    return path
+
+
+def _read_job_file(path: Path) -> Dict[str, Any]:
+    # PyYAML costs ~25 ms to import; only jobs that have a file pay it.
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"job file {path}: YAML syntax error{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"job file {path}: cannot read it: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"job file {path}: the top level must be a mapping of keys to values")
+    known = set(SETTINGS_BY_NAME) | set(FILE_ONLY_KEYS)
+    for key in data:
+        if key not in known:
+            raise ConfigError(
+                f"job file {path}: unknown key '{key}'",
+                hint=f"known keys: {', '.join(sorted(known))}",
+            )
+    return data
+
+
+def _resolve(setting: Setting, flags: Mapping[str, str], environ: Mapping[str, str], file_values: Mapping[str, Any]):
+    """(value, source) from the first source that sets it, or None."""
+    candidates = (
+        ("flag", flags.get(setting.name), f"{setting.flag}"),
+        # An empty variable counts as unset: the platform exports some names empty.
+        ("env", environ.get(setting.env) or None, setting.env),
+        ("file", file_values.get(setting.name), f"job file key '{setting.name}'"),
+    )
+    for source, raw, where in candidates:
+        if raw is None:
+            continue
+        if source == "file" and isinstance(raw, (dict, list, bool)):
+            raise ConfigError(f"{where}: expected a single value, got {type(raw).__name__}")
+        try:
+            return setting.parse(str(raw)), source
+        except BadValue as exc:
+            raise ConfigError(f"{where}={str(raw)!r} {exc}", hint=f"{setting.env} is the {setting.help}") from None
+    return None
+
+
+def _fill_defaults(values: Dict[str, Any], sources: Dict[str, str]) -> List[str]:
+    notes: List[str] = []
+    if "ma_home" not in values:
+        values["ma_home"], note = _default_home()
+        sources["ma_home"] = "default"
+        if note:
+            notes.append(note)
+    derived = {
+        "mount_path": lambda: values["ma_home"] / "modelarts",
+        "job_dir": lambda: values["mount_path"] / "user-job-dir",
+        "log_dir": lambda: values["mount_path"] / "log",
+    }
+    for name, default in derived.items():
+        if name not in values:
+            values[name], sources[name] = default(), "default"
+    for setting in SETTINGS:
+        if setting.name not in values:
+            values[setting.name], sources[setting.name] = setting.default, "default"
+    return notes
+
+
+def _default_home() -> Tuple[Path, Optional[str]]:
+    """The platform's /home/ma-user, or on a laptop a directory we may write to."""
+    if PLATFORM_HOME.is_dir() and os.access(PLATFORM_HOME, os.W_OK):
+        return PLATFORM_HOME, None
+    user_home = Path.home()
+    fallback = user_home / ".ma-runtime" if os.access(user_home, os.W_OK) else Path.cwd() / ".ma-runtime"
+    return fallback, f"MA_HOME is unset and {PLATFORM_HOME} is missing or read-only; using {fallback}"
+
+
+def _hyperparameters(raw: Any) -> Tuple[Tuple[str, str], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError("job file key 'hyperparameters' must be a mapping of name: value")
+    pairs = []
+    for name, value in raw.items():
+        name = str(name)
+        if not _HYPERPARAMETER_NAME.match(name):
+            raise ConfigError(
+                f"job file key 'hyperparameters.{name}': a name must be 1-64 characters of A-Z a-z 0-9 _ -"
+            )
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"job file key 'hyperparameters.{name}': expected a string, number or boolean")
+        pairs.append((name, format_value(value)))
+    return tuple(pairs)
+
+
+def format_value(value: Any) -> str:
+    """How a YAML value is written after `--name=`: booleans as the platform's True/False."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    return str(value)

@@ -1,0 +1,119 @@
+"""The duties of an init process, one small function each (tini's shape).
+
+- `become_subreaper`: outside a PID namespace, orphans come to us instead of init.
+- `SignalQueue`: handlers do nothing but wake the main loop through a pipe
+  (gunicorn's arbiter); the loop reads signal numbers from it and acts there.
+- `reap`: the single `waitpid(-1)` loop of the process. It records the status of
+  the pids the supervisor tracks and discards the rest, so `Popen.wait` never
+  races it for a status (we never call `Popen.wait`).
+- `die_with_parent`: the child half of PR_SET_PDEATHSIG.
+"""
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import select
+import signal
+from typing import Dict, List, Optional
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+
+# Signals passed on to the command's process group (SIGCHLD only wakes the loop).
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+# Signals that start a stop: forward, wait the grace period, then SIGKILL.
+STOPPING = (signal.SIGTERM, signal.SIGINT)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _prctl(option: int, value) -> bool:
+    return _libc.prctl(option, value, 0, 0, 0) == 0
+
+
+def is_pid1() -> bool:
+    return os.getpid() == 1
+
+
+def become_subreaper() -> bool:
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def set_process_name(name: str) -> None:
+    _prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Runs in the forked child before exec: SIGKILL it when the runtime dies."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The parent may have died between fork and prctl; then nobody would kill us.
+    if os.getppid() != parent_pid:
+        os._exit(137)
+
+
+class SignalQueue:
+    """Turns asynchronous signals into numbers read synchronously by the main loop."""
+
+    def __init__(self, signals=FORWARDED) -> None:
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._previous = {}
+        for signum in tuple(signals) + (signal.SIGCHLD,):
+            # The handler is empty on purpose: the C-level handler has already
+            # written the signal number to the wake-up pipe.
+            self._previous[signum] = signal.signal(signum, _ignore_in_python)
+
+    def wait(self, timeout: Optional[float]) -> List[int]:
+        """Signals received, in order; [] after `timeout` seconds with none."""
+        ready, _, _ = select.select([self._read_fd], [], [], timeout)
+        if not ready:
+            return []
+        try:
+            data = os.read(self._read_fd, 4096)
+        except BlockingIOError:
+            return []
+        return list(data)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+
+def _ignore_in_python(_signum, _frame) -> None:
+    return None
+
+
+def reap(tracked: Dict[int, Optional[int]]) -> Dict[int, int]:
+    """Reaps every exited child; returns {pid: returncode} for the tracked ones.
+
+    returncode follows Popen: the exit status, or -N for death by signal N.
+    Statuses of untracked children (orphans re-parented to us) are discarded.
+    """
+    exited: Dict[int, int] = {}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        except OSError as exc:
+            if exc.errno == errno.EINTR:
+                continue
+            raise
+        if pid == 0:
+            break
+        if pid in tracked:
+            exited[pid] = os.waitstatus_to_exitcode(status)
+    return exited
+
