@@ -6,7 +6,8 @@ import sys
 import uuid
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, logs, spec as spec_module, termination
+from ma_runtime import __version__, logs, termination
+from ma_runtime import spec as spec_module
 from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
 from ma_runtime.launch.args import build_argv
 from ma_runtime.output import Sink, tail_of
@@ -168,7 +169,8 @@ def _finish(outcome: Outcome, worker: Worker, context: _Context) -> int:
             stage="supervise",
             category=category,
             exit_code=outcome.exit_code,
-            signal=signal_name if outcome.returncode < 0 else _stop_name(outcome),
+            # The signal that explains the exit code: the stop request, if there was one.
+            signal=_stop_name(outcome) or signal_name,
             reason=reason,
             hint=hint,
             tail=_tail(worker),

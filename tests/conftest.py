@@ -1,0 +1,106 @@
+"""The platform in a box, the parts this suite needs so far.
+
+- `job_env`: a job environment (MA_HOME and friends) under a temporary directory;
+- `ma_run`: the installed `ma-run` console script, run as a real process;
+- helpers to find a PID namespace's init and to wait for marker files.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MA_RUN = str(BIN / "ma-run")
+MA_RUNTIME = str(BIN / "ma-runtime")
+ACTOR = str(ROOT / "tests" / "e2e" / "actor.py")
+
+# Variables of the machine running the tests that would leak into a job's view.
+_JOB_VARIABLES = (
+    "MA_HOME", "MA_MOUNT_PATH", "MA_JOB_DIR", "MA_LOG_DIR", "MA_VJ_NAME", "MA_TASK_NAME", "VC_TASK_INDEX",
+    "MA_NUM_HOSTS", "MA_NUM_GPUS", "MA_PROC_START_CNT", "MA_SCHEDULE_CNT", "MA_RUNTIME_CONFIG",
+    "MA_RUNTIME_STOP_GRACE_SECONDS", "MA_RUNTIME_LOG_FORMAT", "MA_RUNTIME_LOG_LEVEL", "MA_RUNTIME_TERMINATION_LOG",
+    "MA_RUNTIME_LINEAGE",
+)
+
+
+@pytest.fixture
+def job_env(tmp_path):
+    """A clean job environment whose MA_HOME is a temporary directory."""
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
+    env["MA_HOME"] = str(tmp_path / "home")
+    env["MA_RUNTIME_TERMINATION_LOG"] = str(tmp_path / "termination-log-absent")
+    return env
+
+
+def log_dir(env) -> Path:
+    return Path(env["MA_HOME"]) / "modelarts" / "log"
+
+
+def task_log(env, stem="modelarts-job-local-worker-0") -> Path:
+    return log_dir(env) / f"{stem}.log"
+
+
+def run_ma(args, env, timeout=60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([MA_RUN, *args], env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def wait_for_file(path: Path, timeout: float = 15.0) -> Path:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
+    return path
+
+
+def child_pids(pid: int):
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if int(data[data.rfind(b")") + 2 :].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def namespace_init(unshare_pid: int, timeout: float = 10.0) -> int:
+    """Host pid of the process that `unshare --fork` made PID 1 of the new namespace."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = child_pids(unshare_pid)
+        if children:
+            return children[0]
+        time.sleep(0.01)
+    raise AssertionError("unshare did not start its child")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2 :].split()[0] != b"Z"
+
+
+def can_unshare_pid() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_pid_namespace = pytest.mark.skipif(
+    not can_unshare_pid(), reason="needs root (CAP_SYS_ADMIN) for unshare --pid --mount-proc"
+)

@@ -1,0 +1,84 @@
+"""Commands and options: ma-runtime, ma-run, where our options end and the command starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ma_runtime import __version__
+from tests.conftest import MA_RUN, MA_RUNTIME, run_ma
+
+
+def run(argv, env):
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_version(job_env):
+    assert run([MA_RUNTIME, "version"], job_env).stdout == f"ma-runtime {__version__}\n"
+    assert run([MA_RUNTIME, "--version"], job_env).stdout == f"ma-runtime {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[MA_RUNTIME, "--help"], [MA_RUNTIME, "run", "--help"], [MA_RUN, "--help"], [MA_RUNTIME, "version", "--help"]],
+)
+def test_help_on_each_command(job_env, argv):
+    result = run(argv, job_env)
+    assert result.returncode == 0 and "usage:" in result.stdout
+
+
+def test_ma_run_help_documents_variables_and_exit_codes(job_env):
+    text = run([MA_RUN, "--help"], job_env).stdout
+    for name in ("MA_NUM_GPUS", "VC_TASK_INDEX", "MA_RUNTIME_STOP_GRACE_SECONDS", "MA_RUNTIME_CONFIG"):
+        assert name in text
+    for code in ("78  bad configuration", "79  preflight failed", "127  command not found"):
+        assert code in text
+
+
+def test_first_non_option_word_starts_the_command(job_env):
+    script = "import json, sys; print(json.dumps(sys.argv[1:]))"
+    result = run_ma(["--num-gpus", "2", sys.executable, "-c", script, "--lr", "1", "--num-gpus", "9"], job_env)
+    assert result.returncode == 0
+    assert json.loads(result.stdout) == ["--lr", "1", "--num-gpus", "9"]
+
+
+def test_double_dash_separates_options_from_command(tmp_path, job_env):
+    job = tmp_path / "job.yaml"
+    job.write_text("num_gpus: 3\n")
+    script = "import os; print(os.environ['MA_NUM_GPUS'])"
+    result = run_ma(["--config", str(job), "--", sys.executable, "-c", script], job_env)
+    assert result.stdout == "3\n"
+
+
+def test_ma_runtime_run_is_ma_run(job_env):
+    result = run([MA_RUNTIME, "run", "--num-gpus=5", "--", "sh", "-c", "echo $MA_NUM_GPUS"], job_env)
+    assert result.stdout == "5\n"
+
+
+def test_command_sees_the_resolved_job_and_the_counters(job_env):
+    job_env["MA_PROC_START_CNT"] = "3"
+    names = ("MA_PROC_START_CNT", "MA_SCHEDULE_CNT", "MA_LOG_DIR")
+    script = f"import os; print(*(os.environ[n] for n in {names!r}))"
+    result = run_ma([sys.executable, "-c", script], job_env)
+    count, schedule, log_dir = result.stdout.split()
+    assert (count, schedule) == ("3", "1") and log_dir.endswith("/modelarts/log")
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--bogus", "python"], "unknown option --bogus"),
+        (["--num-gpus"], "expected one argument"),
+        ([], "no command given"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_code_78(job_env, argv, expected):
+    result = run_ma(argv, job_env)
+    assert result.returncode == 78
+    assert len(result.stderr.strip().splitlines()) == 1 and expected in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_print_config_is_json_even_without_command(job_env):
+    assert json.loads(run_ma(["--print-config"], job_env).stdout)["command"] == []
