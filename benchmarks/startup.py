@@ -144,6 +144,13 @@ def print_verdicts(wall: Dict[str, float], launch: Dict[str, float]) -> None:
     print(f"  launch to worker exec, ma-run - tini:   {launch['ma_run_minus_tini_ms']:.1f} ms")
 
 
+def bytecode_note() -> str:
+    """ma-run imports its own package; without .pyc files it compiles it on every start."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+        return "note: PYTHONDONTWRITEBYTECODE is set, so ma-run may recompile its modules on every start"
+    return ""
+
+
 def environment_info(args: argparse.Namespace) -> Dict[str, object]:
     return {
         "python": sys.version.split()[0],
@@ -153,6 +160,8 @@ def environment_info(args: argparse.Namespace) -> Dict[str, object]:
         "warmup": args.warmup,
         "ma_run": args.ma_run,
         "tini": args.tini,
+        "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
+        "PYTHONPYCACHEPREFIX": os.environ.get("PYTHONPYCACHEPREFIX"),
     }
 
 
@@ -171,6 +180,8 @@ def main(argv: Sequence[str]) -> int:
     print_table("launch (before Popen) to worker exec (date +%s%N)", launch_stats)
     verdicts = {"wall": wall_verdict(wall_stats), "launch_to_exec": launch_verdict(launch_stats)}
     print_verdicts(verdicts["wall"], verdicts["launch_to_exec"])
+    if bytecode_note():
+        print(f"  {bytecode_note()}")
     if args.json:
         result = {
             "environment": environment_info(args),
