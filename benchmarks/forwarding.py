@@ -39,7 +39,7 @@ BUDGET_LINES_PER_S = 200_000
 TASK_LOG = os.path.join("modelarts", "log", "modelarts-job-local-worker-0.log")
 LINE_PREFIX = b"line "
 
-WRITER_SOURCE = '''\
+WRITER_SOURCE = """\
 import sys
 
 def main(count, width, batch=10_000):
@@ -50,7 +50,7 @@ def main(count, width, batch=10_000):
     sys.stdout.flush()
 
 main(int(sys.argv[1]), int(sys.argv[2]))
-'''
+"""
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -3,7 +3,6 @@
 import json
 import os
 import sys
-import uuid
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from ma_runtime import __version__, logs, termination
@@ -44,6 +43,13 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         return _run_command(spec, command, context)
     except RuntimeFailure as failure:
         return context.fail(failure)
+    except Exception as exc:  # a bug of ours: still one line, a code, and a message
+        return context.fail(
+            RuntimeFailure(
+                f"internal error: {type(exc).__name__}: {exc}",
+                hint="please report this with the task log; the command's own exit code was not available",
+            )
+        )
     finally:
         context.close()
 
@@ -107,7 +113,7 @@ class _Context:
 
 def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context) -> int:
     log = logs.get_logger()
-    run_id = uuid.uuid4().hex[:12]
+    run_id = os.urandom(6).hex()
     argv = build_argv(command, spec.hyperparameters)
     pid1 = is_pid1()
     # Before any thread or worker exists: the guard is a fork of this process.
@@ -116,22 +122,22 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
         log.warning("could not become a child subreaper; orphans will go to init")
     signals = SignalQueue()
     try:
+        # Logged before the spawn, so that it precedes the command's output everywhere.
+        log.info(
+            "starting command",
+            version=__version__,
+            argv=argv,
+            pid1=pid1,
+            run_id=run_id,
+            attempt=spec.proc_start_cnt,
+            task_log=str(spec.task_log_path),
+        )
         worker = spawn(
             argv,
             _worker_env(spec, run_id),
             cwd=None,
             stdout_sinks=[Sink(sys.stdout.fileno(), "<stdout>"), context.task_log],
             stderr_sinks=[logs.stderr_sink(), context.task_log],
-        )
-        log.info(
-            "started command",
-            version=__version__,
-            argv=argv,
-            pid=worker.pid,
-            pid1=pid1,
-            run_id=run_id,
-            attempt=spec.proc_start_cnt,
-            task_log=str(spec.task_log_path),
         )
         exclude = (guard.pid,) if guard else ()
         outcome = Supervisor(worker, signals, spec.stop_grace_seconds, log, exclude).run()
@@ -160,6 +166,7 @@ def _finish(outcome: Outcome, worker: Worker, context: _Context) -> int:
         exit_code=outcome.exit_code,
         returncode=outcome.returncode,
         signal=signal_name,
+        pid=worker.pid,
         duration_s=round(outcome.duration, 3),
         leftovers=outcome.leftovers,
     )

@@ -6,6 +6,7 @@ for ours. Usage errors print one line and exit with "bad configuration".
 """
 
 import argparse
+import os
 import sys
 from typing import List, NoReturn, Optional, Sequence, Tuple
 
@@ -110,9 +111,20 @@ def ma_run(argv: Optional[Sequence[str]] = None) -> int:
     return run_main(list(sys.argv[1:] if argv is None else argv), "ma-run")
 
 
+def _exit(code: int) -> NoReturn:
+    # Skip the interpreter's teardown (~10 ms with structlog loaded): every file
+    # the runtime wrote is closed by now, and only the std streams need a flush.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def entry_main() -> NoReturn:
-    sys.exit(main())
+    _exit(main())
 
 
 def entry_ma_run() -> NoReturn:
-    sys.exit(ma_run())
+    _exit(ma_run())

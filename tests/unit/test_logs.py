@@ -19,7 +19,7 @@ def test_logfmt_lines_in_the_platform_style(job_env):
     result = run_ma(["true"], job_env)
     lines = runtime_lines(result.stderr)
     assert lines and all(LOGFMT_LINE.match(line) for line in lines), lines
-    assert any('msg="started command"' in line for line in lines)
+    assert any('msg="starting command"' in line for line in lines)
     assert runtime_lines(task_log(job_env).read_text()) == lines
 
 
