@@ -94,11 +94,11 @@ class _Context:
         return int(failure.exit_code)
 
     def write_termination(self, **fields) -> None:
-        if self.spec is None or self.task_log is None:
-            return  # no usable log directory: the error line on stderr is all we have
+        # Without a usable log directory (bad configuration), only Kubernetes' copy.
+        log_copy = self.spec.termination_path if self.spec and self.task_log else None
         message = termination.build(masker=self.masker, **fields)
         try:
-            kept = not termination.write(message, self.spec.termination_path, self.k8s_path, self.k8s_before)
+            kept = not termination.write(message, log_copy, self.k8s_path, self.k8s_before)
         except OSError as exc:
             logs.get_logger().warning("could not write the termination message", error=str(exc))
             return
@@ -116,11 +116,13 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
     run_id = os.urandom(6).hex()
     argv = build_argv(command, spec.hyperparameters)
     pid1 = is_pid1()
+    # First, so that a SIGTERM from now on is queued for the command, not lost
+    # (PID 1 ignores signals it has no handler for).
+    signals = SignalQueue()
     # Before any thread or worker exists: the guard is a fork of this process.
     guard = None if pid1 else guard_module.start(run_id)
     if not pid1 and not become_subreaper():
         log.warning("could not become a child subreaper; orphans will go to init")
-    signals = SignalQueue()
     try:
         # Logged before the spawn, so that it precedes the command's output everywhere.
         log.info(
@@ -136,7 +138,7 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
             argv,
             _worker_env(spec, run_id),
             cwd=None,
-            stdout_sinks=[Sink(sys.stdout.fileno(), "<stdout>"), context.task_log],
+            stdout_sinks=[Sink(1, "<stdout>"), context.task_log],
             stderr_sinks=[logs.stderr_sink(), context.task_log],
         )
         exclude = (guard.pid,) if guard else ()

@@ -245,7 +245,7 @@ def _resolve(setting: Setting, flags: Mapping[str, str], environ: Mapping[str, s
         if raw is None:
             continue
         if source == "file" and isinstance(raw, (dict, list, bool)):
-            raise ConfigError(f"{where}: expected a single value, got {type(raw).__name__}")
+            raise ConfigError(f"{where}: expected a single number or string, got {raw!r}")
         try:
             return setting.parse(str(raw)), source
         except BadValue as exc:

@@ -75,10 +75,11 @@ def _dump(message: Dict[str, Any]) -> bytes:
     return json.dumps(message, ensure_ascii=False).encode("utf-8")
 
 
-def write(message: Dict[str, Any], log_path: Path, k8s_path: Path, k8s_before: Optional[bytes]) -> bool:
+def write(message: Dict[str, Any], log_path: Optional[Path], k8s_path: Path, k8s_before: Optional[bytes]) -> bool:
     """Writes both copies; returns False when the command's own k8s message was kept."""
     data = render(message)
-    _write_atomically(log_path, data)
+    if log_path is not None:
+        _write_atomically(log_path, data)
     if k8s_before is None or not os.access(k8s_path, os.W_OK):
         return True
     current = snapshot(k8s_path)

@@ -46,6 +46,7 @@ class Supervisor:
         stop_signal: Optional[int] = None
         deadline: Optional[float] = None
         forced = False
+        killed_at: Optional[float] = None
         while worker.returncode is None:
             timeout = _TICK if deadline is None else min(_TICK, max(0.0, deadline - time.monotonic()))
             for signum in self.signals.wait(timeout):
@@ -70,7 +71,11 @@ class Supervisor:
                     grace_seconds=self.grace_seconds,
                 )
                 self._kill_tree(signal.SIGKILL)
-                forced, deadline = True, None
+                forced, deadline, killed_at = True, None, time.monotonic()
+            if worker.returncode is None and killed_at is not None and time.monotonic() - killed_at > _KILL_WAIT:
+                # Uninterruptible sleep (a hung NFS or device): do not hang with it.
+                self.log.error("the command survived SIGKILL; giving up on it", pid=worker.pid)
+                worker.exited(-signal.SIGKILL)
         leftovers = self._stop_leftovers()
         worker.join_output(_OUTPUT_DRAIN)
         code = exit_code_of_status(worker.returncode)

@@ -101,6 +101,13 @@ def ignore_term(directory):
     sleep_forever()
 
 
+def ignore_stop(directory):
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+    mark(directory, "ready")
+    sleep_forever()
+
+
 def escapee(directory):
     """A grandchild that leaves the process group (setsid) and marks SIGTERM."""
     def child():

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from tests.conftest import ACTOR, MA_RUN, log_dir, run_ma, wait_for_file
 
@@ -89,7 +90,20 @@ def test_second_sigint_kills_at_once(tmp_path, job_env):
     job_env["MA_RUNTIME_STOP_GRACE_SECONDS"] = "60"
     workdir = tmp_path / "actor"
     workdir.mkdir()
-    proc = subprocess.Popen([MA_RUN, sys.executable, ACTOR, "ignore-term", str(workdir)], env=job_env)
+    proc = subprocess.Popen([MA_RUN, sys.executable, ACTOR, "ignore-stop", str(workdir)], env=job_env)
     wait_for_file(workdir / "ready")
-    os.kill(proc.pid, signal.SIGINT)  # the actor ignores SIGTERM only: SIGINT raises KeyboardInterrupt
-    assert proc.wait(15) != 0
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert proc.poll() is None, "one SIGINT must wait out the grace period"
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(15) == 128 + signal.SIGINT  # long before the 60 s grace
+
+
+def test_config_error_reaches_an_existing_kubernetes_file(tmp_path, job_env):
+    k8s = tmp_path / "termination-log"
+    k8s.write_text("")
+    job_env["MA_RUNTIME_TERMINATION_LOG"] = str(k8s)
+    job_env["MA_NUM_GPUS"] = "many"
+    assert run_ma(["true"], job_env).returncode == 78
+    written = json.loads(k8s.read_text())
+    assert written["exit_code"] == 78 and written["stage"] == "spec" and "MA_NUM_GPUS" in written["reason"]

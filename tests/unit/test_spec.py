@@ -85,7 +85,7 @@ def test_hyperparameters_keep_order_and_render_booleans(tmp_path):
         ({}, "num_gpu: 1\n", "unknown key 'num_gpu'"),
         ({}, "- a\n- b\n", "the top level must be a mapping"),
         ({}, "num_gpus: abc\n", "job file key 'num_gpus'='abc' is not a whole number"),
-        ({}, "num_gpus: {a: 1}\n", "job file key 'num_gpus': expected a single value"),
+        ({}, "num_gpus: {a: 1}\n", "job file key 'num_gpus': expected a single number or string"),
         ({}, "hyperparameters: [1]\n", "'hyperparameters' must be a mapping"),
         ({}, "hyperparameters: {'bad name': 1}\n", "hyperparameters.bad name"),
         ({}, "hyperparameters: {lr: null}\n", "hyperparameters.lr"),
