@@ -101,6 +101,17 @@ def ignore_term(directory):
     sleep_forever()
 
 
+def echo_signals(directory):
+    """Marks each forwarded non-stopping signal it receives."""
+    def handler(signum, _frame):
+        mark(directory, f"got-{signal.Signals(signum).name}")
+
+    for signum in (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, handler)
+    mark(directory, "ready")
+    sleep_forever()
+
+
 def ignore_stop(directory):
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)

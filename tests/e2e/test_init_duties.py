@@ -120,6 +120,14 @@ def test_death_by_signal_is_128_plus_n(init, job_env):
 
 
 @needs_pid_namespace
+def test_hup_quit_usr1_usr2_are_forwarded(init, start):
+    run = start(init, "echo-signals").ready()
+    for signum in (signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        run.signal(signum)
+        wait_for_file(run.dir / f"got-{signum.name}", timeout=5)
+
+
+@needs_pid_namespace
 def test_sigterm_reaches_the_whole_group(request, init, start):
     lacks(request, init, tini="tini forwards to its child only, unless run with -g")
     run = start(init, "group-term", extra=("2",)).ready()

@@ -73,12 +73,17 @@ def test_message_fits_the_kubernetes_limit(tmp_path, job_env):
     assert json.loads(k8s.read_text())["exit_code"] == 1
 
 
-def test_sigterm_stop_is_recorded(tmp_path, job_env):
-    job_env["MA_RUNTIME_STOP_GRACE_SECONDS"] = "0.5"
+def start_actor(tmp_path, env, scenario):
     workdir = tmp_path / "actor"
     workdir.mkdir()
-    proc = subprocess.Popen([MA_RUN, sys.executable, ACTOR, "ignore-term", str(workdir)], env=job_env)
+    proc = subprocess.Popen([MA_RUN, sys.executable, ACTOR, scenario, str(workdir)], env=env)
     wait_for_file(workdir / "ready")
+    return proc
+
+
+def test_sigterm_stop_is_recorded(tmp_path, job_env):
+    job_env["MA_RUNTIME_STOP_GRACE_SECONDS"] = "0.5"
+    proc = start_actor(tmp_path, job_env, "ignore-term")
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(15) == 143
     written = message(job_env)
@@ -88,10 +93,7 @@ def test_sigterm_stop_is_recorded(tmp_path, job_env):
 
 def test_second_sigint_kills_at_once(tmp_path, job_env):
     job_env["MA_RUNTIME_STOP_GRACE_SECONDS"] = "60"
-    workdir = tmp_path / "actor"
-    workdir.mkdir()
-    proc = subprocess.Popen([MA_RUN, sys.executable, ACTOR, "ignore-stop", str(workdir)], env=job_env)
-    wait_for_file(workdir / "ready")
+    proc = start_actor(tmp_path, job_env, "ignore-stop")
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.3)
     assert proc.poll() is None, "one SIGINT must wait out the grace period"

@@ -76,3 +76,22 @@ def test_masker_masks_known_values_inside_strings_and_by_key():
     assert masker.data({"nested": {"OBS_ACCESS_KEY_ID": "AKVALUE", "ok": 1}}) == {
         "nested": {"OBS_ACCESS_KEY_ID": MASK, "ok": 1}
     }
+
+
+def test_log_level_filters_runtime_lines(job_env):
+    job_env["MA_RUNTIME_LOG_LEVEL"] = "warning"
+    result = run_ma(["sh", "-c", "echo worker-line >&2"], job_env)
+    assert result.stderr == "worker-line\n"
+
+
+def test_task_log_is_named_after_the_volcano_job(job_env):
+    job_env.update(MA_VJ_NAME="ma-job-95f661bd", MA_TASK_NAME="worker", VC_TASK_INDEX="1")
+    run_ma(["echo", "hello"], job_env)
+    assert "hello" in task_log(job_env, "modelarts-job-95f661bd-worker-1").read_text().splitlines()
+
+
+def test_workers_carry_the_lineage_of_every_runtime_above_them(job_env):
+    job_env["MA_RUNTIME_LINEAGE"] = "outer"
+    result = run_ma(["sh", "-c", "echo $MA_RUNTIME_LINEAGE"], job_env)
+    run_id = re.search(r"run_id=(\w+)", result.stderr).group(1)
+    assert result.stdout == f"outer,{run_id}\n"
