@@ -145,8 +145,10 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
         outcome = Supervisor(worker, signals, spec.stop_grace_seconds, log, exclude).run()
     finally:
         signals.close()
-        if guard:
-            guard.stand_down()
+    # Only a normal end stands the guard down: if anything above raised, the
+    # guard sees our pipe close at exit and kills whatever is still running.
+    if guard:
+        guard.stand_down()
     return _finish(outcome, worker, context)
 
 
@@ -172,6 +174,9 @@ def _finish(outcome: Outcome, worker: Worker, context: _Context) -> int:
         duration_s=round(outcome.duration, 3),
         leftovers=outcome.leftovers,
     )
+    split = sum(pump.lines_split for pump in worker.pumps)
+    if split:
+        log.warning("lines over the length limit were cut to bound memory", count=split)
     if outcome.exit_code != 0:
         reason, category, hint = _explain(outcome, signal_name)
         context.write_termination(
