@@ -49,7 +49,8 @@ def _run_parser(prog: str) -> _Parser:
         "--print-config", action="store_true", help="print the resolved job settings as JSON (secrets masked) and exit"
     )
     for setting in SETTINGS:
-        parser.add_argument(setting.flag, dest=setting.name, metavar=setting.env, help=setting.help)
+        if setting.cli:
+            parser.add_argument(setting.flag, dest=setting.name, metavar=setting.env, help=setting.help)
     return parser
 
 
@@ -74,7 +75,7 @@ def run_main(argv: Sequence[str], prog: str) -> int:
     parser = _run_parser(prog)
     ours, command = split_command(parser, argv)
     options = parser.parse_args(ours)
-    flags = {s.name: getattr(options, s.name) for s in SETTINGS if getattr(options, s.name) is not None}
+    flags = {s.name: getattr(options, s.name) for s in SETTINGS if getattr(options, s.name, None) is not None}
     # Imported here: `ma-runtime version` and `--help` should not pay for structlog.
     from ma_runtime import bootstrap
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ma_runtime.errors import ConfigError
 
 PLATFORM_HOME = Path("/home/ma-user")
+PREFLIGHT_CHECKS = ("dns", "disk-size", "ulimit", "gpu", "npu")
+DISK_TARGETS = ("root", "shm", "cache")
 LOG_FORMATS = ("logfmt", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # The platform's hyperparameter names (001:2959-2982): at most 64 of [A-Za-z0-9_-].
@@ -61,6 +63,52 @@ def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
+def _switch(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise BadValue("must be on or off (also 1/0, true/false, yes/no)")
+
+
+def _number(minimum: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise BadValue(f"is not a number (expected >= {minimum:g})") from None
+        if not value >= minimum or value == float("inf"):
+            raise BadValue(f"must be a finite number >= {minimum:g}")
+        return value
+
+    return parse
+
+
+def _names(allowed: Sequence[str]) -> Callable[[str], Tuple[str, ...]]:
+    """A comma-separated subset of `allowed`, in the order given."""
+
+    def parse(text: str) -> Tuple[str, ...]:
+        names = tuple(n.strip() for n in str(text).split(",") if n.strip())
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            raise BadValue(f"names unknown {', '.join(unknown)}; known: {', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def _targets(text: str) -> Tuple[Tuple[str, Path], ...]:
+    """`root=/,shm=/dev/shm,cache=/cache`: disk-size targets and their paths."""
+    pairs = []
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        name, sep, path = part.partition("=")
+        if not sep or name.strip() not in DISK_TARGETS or not path.strip():
+            raise BadValue(f"has a bad entry {part!r}; expected name=path with name in {', '.join(DISK_TARGETS)}")
+        pairs.append((name.strip(), Path(path.strip())))
+    return tuple(pairs)
+
+
 def _path(text: str) -> Path:
     if not str(text).strip():
         raise BadValue("is an empty path")
@@ -84,6 +132,8 @@ class Setting:
     parse: Callable[[str], Any]
     help: str
     default: Any = None
+    # Preflight's many knobs stay off ma-run's --help: env and job file only.
+    cli: bool = True
 
     @property
     def flag(self) -> str:
@@ -112,10 +162,44 @@ SETTINGS: Tuple[Setting, ...] = (
     ),
     Setting("log_format", "MA_RUNTIME_LOG_FORMAT", _choice(LOG_FORMATS), "logfmt or json", "logfmt"),
     Setting("log_level", "MA_RUNTIME_LOG_LEVEL", _choice(LOG_LEVELS), "debug, info, warning or error", "info"),
+    *(
+        Setting(f"preflight{name}", f"MA_RUNTIME_PREFLIGHT{name.upper()}", parse, help, default, cli=False)
+        for name, parse, help, default in (
+            ("", _switch, "run the preflight checks before the command", True),
+            ("_checks", _names(PREFLIGHT_CHECKS), "checks to run", PREFLIGHT_CHECKS),
+            ("_warn_only", _names(PREFLIGHT_CHECKS), "checks whose failure only warns", ()),
+            ("_dns_deadline_seconds", _seconds, "how long to keep retrying DNS", 120.0),
+            ("_dns_timeout_seconds", _seconds, "timeout of one DNS lookup", 5.0),
+            ("_volcano_dir", _path, "directory of Volcano's *.host files", Path("/etc/volcano")),
+            ("_disk_targets", _targets, "disk-size targets", (("root", Path("/")), ("shm", Path("/dev/shm")),
+                                                              ("cache", Path("/cache")))),
+            ("_root_min_gb", _number(0), "minimum size of the root filesystem, GB", 32.0),
+            ("_shm_min_gb", _number(0), "minimum size of /dev/shm, GB", 1.0),
+            ("_cache_min_gb", _number(0), "minimum size of /cache, GB", 32.0),
+            ("_ulimit", _choice(("auto", "always", "never")), "when to check ulimits", "auto"),
+            ("_memlock_min_kb", _integer(0), "minimum max-locked-memory, KB", 16000),
+            ("_nofile_min", _integer(0), "minimum open files", 1000000),
+            ("_stack_min_kb", _integer(0), "minimum stack size, KB", 8000),
+            ("_nproc_min", _integer(0), "minimum user processes", 1000000),
+            ("_accelerator", _choice(("auto", "gpu", "npu", "none")), "which accelerator check runs", "auto"),
+            ("_dev_dir", _path, "where device nodes are looked for", Path("/dev")),
+            ("_tool_timeout_seconds", _seconds, "timeout of nvidia-smi / npu-smi", 10.0),
+        )
+    ),
+    Setting(
+        "skip_image_detect",
+        "MA_SKIP_IMAGE_DETECT",
+        _choice(("0", "1")),
+        "the platform's precheck switch: 0 turns preflight off, 1 or unset leaves it on",
+        "1",
+        cli=False,
+    ),
 )
 SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters",)
+# Job-file sections whose keys are settings named `<section>_<key>`.
+FILE_SECTIONS = ("preflight",)
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
 
 
@@ -135,6 +219,25 @@ class JobSpec:
     stop_grace_seconds: float
     log_format: str
     log_level: str
+    preflight: bool
+    preflight_checks: Tuple[str, ...]
+    preflight_warn_only: Tuple[str, ...]
+    preflight_dns_deadline_seconds: float
+    preflight_dns_timeout_seconds: float
+    preflight_volcano_dir: Path
+    preflight_disk_targets: Tuple[Tuple[str, Path], ...]
+    preflight_root_min_gb: float
+    preflight_shm_min_gb: float
+    preflight_cache_min_gb: float
+    preflight_ulimit: str
+    preflight_memlock_min_kb: int
+    preflight_nofile_min: int
+    preflight_stack_min_kb: int
+    preflight_nproc_min: int
+    preflight_accelerator: str
+    preflight_dev_dir: Path
+    preflight_tool_timeout_seconds: float
+    skip_image_detect: str
     # Ordered (name, value) pairs, appended to the command as --name=value.
     hyperparameters: Tuple[Tuple[str, str], ...] = ()
     config_file: Optional[Path] = None
@@ -165,10 +268,24 @@ class JobSpec:
     def termination_path(self) -> Path:
         return self.log_dir / f"{self.log_stem}-termination.json"
 
+    @property
+    def preflight_enabled(self) -> bool:
+        """`ma-runtime run` runs the preflight unless either switch turns it off."""
+        return self.preflight and self.skip_image_detect != "0"
+
     def settings(self) -> Dict[str, Any]:
         """The resolved settings as JSON-ready data (paths as strings)."""
-        values = {s.name: getattr(self, s.name) for s in SETTINGS}
-        return {name: str(v) if isinstance(v, Path) else v for name, v in values.items()}
+        return {s.name: _jsonable(getattr(self, s.name)) for s in SETTINGS}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return ",".join(f"{k}={v}" for k, v in value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
 def load(
@@ -223,14 +340,34 @@ def _read_job_file(path: Path) -> Dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"job file {path}: the top level must be a mapping of keys to values")
+    data = _flatten_sections(path, data)
     known = set(SETTINGS_BY_NAME) | set(FILE_ONLY_KEYS)
     for key in data:
         if key not in known:
             raise ConfigError(
-                f"job file {path}: unknown key '{key}'",
-                hint=f"known keys: {', '.join(sorted(known))}",
+                f"job file {path}: unknown key '{_dotted(key)}'",
+                hint=f"known keys: {', '.join(sorted(_dotted(k) for k in known))}",
             )
     return data
+
+
+def _flatten_sections(path: Path, data: Dict[str, Any]) -> Dict[str, Any]:
+    """`preflight: {checks: [...]}` is the setting `preflight_checks`; `preflight: off` is `preflight`."""
+    flat: Dict[str, Any] = {}
+    for key, value in data.items():
+        if key in FILE_SECTIONS and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                flat[f"{key}_{sub}"] = sub_value
+        else:
+            flat[key] = value
+    return flat
+
+
+def _dotted(key: str) -> str:
+    for section in FILE_SECTIONS:
+        if key.startswith(section + "_"):
+            return f"{section}.{key[len(section) + 1:]}"
+    return key
 
 
 def _resolve(setting: Setting, flags: Mapping[str, str], environ: Mapping[str, str], file_values: Mapping[str, Any]):
@@ -239,12 +376,16 @@ def _resolve(setting: Setting, flags: Mapping[str, str], environ: Mapping[str, s
         ("flag", flags.get(setting.name), f"{setting.flag}"),
         # An empty variable counts as unset: the platform exports some names empty.
         ("env", environ.get(setting.env) or None, setting.env),
-        ("file", file_values.get(setting.name), f"job file key '{setting.name}'"),
+        ("file", file_values.get(setting.name), f"job file key '{_dotted(setting.name)}'"),
     )
     for source, raw, where in candidates:
         if raw is None:
             continue
-        if source == "file" and isinstance(raw, (dict, list, bool)):
+        if source == "file" and isinstance(raw, list):
+            raw = ",".join(str(item) for item in raw)
+        if source == "file" and isinstance(raw, bool):
+            raw = "on" if raw else "off"
+        if source == "file" and isinstance(raw, dict):
             raise ConfigError(f"{where}: expected a single number or string, got {raw!r}")
         try:
             return setting.parse(str(raw)), source
