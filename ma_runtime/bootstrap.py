@@ -7,7 +7,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 from ma_runtime import __version__, logs, termination
 from ma_runtime import spec as spec_module
-from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
+from ma_runtime.errors import Category, ConfigError, ExitCode, PreflightFailed, RuntimeFailure
 from ma_runtime.launch.args import build_argv
 from ma_runtime.output import Sink, tail_of
 from ma_runtime.redact import Masker
@@ -40,6 +40,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         context.open_task_log()
         for note in spec.notes:
             log.info(note)
+        _preflight(spec, log)
         return _run_command(spec, command, context)
     except RuntimeFailure as failure:
         return context.fail(failure)
@@ -109,6 +110,49 @@ class _Context:
         if self.task_log is not None:
             logs.remove_sink(self.task_log)
             self.task_log.close()
+
+
+def _preflight(spec: spec_module.JobSpec, log) -> None:
+    """The node checks, before anything is downloaded or started; a bad node stops here."""
+    if not spec.preflight_enabled:
+        switch = "MA_SKIP_IMAGE_DETECT=0" if spec.skip_image_detect == "0" else "MA_RUNTIME_PREFLIGHT=off"
+        log.info("preflight skipped", reason=switch)
+        return
+    from ma_runtime.preflight import runner
+
+    report = runner.run(spec, os.environ, runner.select(spec.preflight_checks), log)
+    if not report.ok:
+        items = report.failed_items()
+        raise PreflightFailed(
+            f"preflight failed: {', '.join(items)}: {report.failures[0].hint}",
+            hint=f"this node cannot run the job; to run anyway set MA_RUNTIME_PREFLIGHT_WARN_ONLY="
+            f"{','.join(dict.fromkeys(r.item for r in report.failures))} or MA_RUNTIME_PREFLIGHT=off",
+        )
+
+
+def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Sequence[str], as_json: bool) -> int:
+    """`ma-preflight`: the checks alone, for operators; the report on stdout."""
+    from ma_runtime.preflight import runner
+
+    masker = Masker.from_environ()
+    logs.configure(_early_log_format(), masker=masker)
+    log = logs.get_logger()
+    try:
+        spec = spec_module.load({}, os.environ, config_file)
+    except ConfigError as failure:
+        log.error(f"error,exiting: {failure.reason}", hint=failure.hint or None, exit_code=int(failure.exit_code))
+        return int(failure.exit_code)
+    logs.configure(spec.log_format, spec.log_level, masker)
+    if spec.skip_image_detect == "0":
+        log.info("MA_SKIP_IMAGE_DETECT=0 turns preflight off in ma-runtime run; running it because it was asked for")
+    report = runner.run(spec, os.environ, runner.select(spec.preflight_checks, only, skip), log)
+    if as_json:
+        sys.stdout.write(json.dumps(masker.data(report.to_dict()), indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(runner.table(report))
+    if not report.ok:
+        log.error(f"error,exiting: preflight failed: {', '.join(report.failed_items())}")
+    return ExitCode.OK if report.ok else ExitCode.PREFLIGHT_FAILED
 
 
 def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context) -> int:

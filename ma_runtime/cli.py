@@ -12,7 +12,7 @@ from typing import List, NoReturn, Optional, Sequence, Tuple
 
 from ma_runtime import __version__
 from ma_runtime.errors import ExitCode
-from ma_runtime.spec import CONFIG_ENV, SETTINGS
+from ma_runtime.spec import CONFIG_ENV, SETTINGS, BadValue, parse_check_names
 
 _EXIT_CODES = "\n".join(
     f"  {int(code):>3}  {code.name.lower().replace('_', ' ')}" for code in ExitCode if code != ExitCode.OK
@@ -92,7 +92,37 @@ def _top_parser() -> _Parser:
     commands = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
     commands.add_parser("run", help="run a command under supervision (same as ma-run)", add_help=False)
     commands.add_parser("version", help="print the version and exit")
+    commands.add_parser("preflight", help="run the node checks alone (same as ma-preflight)", add_help=False)
     return parser
+
+
+def _preflight_parser(prog: str) -> _Parser:
+    parser = _Parser(
+        prog=prog,
+        description="Run the platform's node checks (dns, disk-size, ulimit, gpu, npu) and report.",
+        epilog="exit 0 when no fatal check failed, 79 when one did, 78 on bad configuration. "
+        "Thresholds and the set of checks come from MA_RUNTIME_PREFLIGHT_* and the job file's preflight section.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE", help=f"YAML job file (env {CONFIG_ENV})")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("--only", metavar="CHECKS", type=_check_names, default=(), help="comma list: run only these")
+    parser.add_argument("--skip", metavar="CHECKS", type=_check_names, default=(), help="comma list: skip these")
+    return parser
+
+
+def _check_names(text: str):
+    try:
+        return parse_check_names(text)
+    except BadValue as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def preflight_main(argv: Sequence[str], prog: str) -> int:
+    options = _preflight_parser(prog).parse_args(list(argv))
+    from ma_runtime import bootstrap
+
+    return bootstrap.preflight_command(options.config, options.only, options.skip, options.json)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -100,6 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "run":
         # `run` parses its own options: the command after them is not ours to parse.
         return run_main(argv[1:], "ma-runtime run")
+    if argv and argv[0] == "preflight":
+        return preflight_main(argv[1:], "ma-runtime preflight")
     options = _top_parser().parse_args(argv)
     if options.subcommand == "version":
         print(f"ma-runtime {__version__}")
@@ -121,6 +153,14 @@ def _exit(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def ma_preflight(argv: Optional[Sequence[str]] = None) -> int:
+    return preflight_main(list(sys.argv[1:] if argv is None else argv), "ma-preflight")
+
+
+def entry_ma_preflight() -> NoReturn:
+    _exit(ma_preflight())
 
 
 def entry_main() -> NoReturn:

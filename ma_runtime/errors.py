@@ -67,3 +67,11 @@ class CommandNotExecutable(RuntimeFailure):
 def exit_code_of_status(returncode: int) -> int:
     """Popen-style return code (negative = killed by signal) to a shell exit code."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+class PreflightFailed(RuntimeFailure):
+    """A bad node: the platform should reschedule the job elsewhere."""
+
+    exit_code = ExitCode.PREFLIGHT_FAILED
+    category = Category.INFRASTRUCTURE
+    stage = "preflight"

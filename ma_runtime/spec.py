@@ -196,6 +196,8 @@ SETTINGS: Tuple[Setting, ...] = (
     ),
 )
 SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
+# Parses `--only dns,disk-size` and MA_RUNTIME_PREFLIGHT_CHECKS alike.
+parse_check_names = _names(PREFLIGHT_CHECKS)
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters",)
 # Job-file sections whose keys are settings named `<section>_<key>`.

@@ -1,0 +1,47 @@
+"""`disk-size`: the root filesystem, /dev/shm and /cache are big enough (001:7599-7651).
+
+The platform's rule is "> 32 GB" for the item named disk-*size*: it checks that
+the flavour's disks are attached at their full size, so the threshold is on the
+filesystem's **total** size, in decimal GB (10^9 bytes, as disks are sold). Free
+space is measured and reported next to it. A missing /cache is skipped (not
+every flavour has one); a missing root or /dev/shm is a failure.
+"""
+
+import os
+from pathlib import Path
+from typing import List
+
+from ma_runtime.preflight.model import Result, Status, passed, skipped
+
+ITEM = "disk-size"
+GB = 10**9
+_OPTIONAL_TARGETS = ("cache",)
+
+
+def run(spec, environ) -> List[Result]:
+    return [
+        check_target(target, path, getattr(spec, f"preflight_{target}_min_gb"))
+        for target, path in spec.preflight_disk_targets
+    ]
+
+
+def check_target(target: str, path: Path, minimum_gb: float) -> Result:
+    try:
+        stats = os.statvfs(path)
+    except FileNotFoundError:
+        if target in _OPTIONAL_TARGETS:
+            return skipped(ITEM, f"{path} does not exist on this flavour", target=target)
+        return Result(ITEM, Status.FAIL, "disk-size.missing", threshold=minimum_gb, target=target, unit="GB",
+                      hint=f"{path} does not exist: the container's {target} filesystem is not mounted")
+    except OSError as exc:
+        return Result(ITEM, Status.FAIL, "disk-size.unreadable", threshold=minimum_gb, target=target, unit="GB",
+                      hint=f"cannot stat {path}: {exc.strerror}")
+    total_gb = round(stats.f_blocks * stats.f_frsize / GB, 3)
+    free_gb = round(stats.f_bavail * stats.f_frsize / GB, 3)
+    detail = {"path": str(path), "total_gb": total_gb, "free_gb": free_gb}
+    if total_gb > minimum_gb:
+        return passed(ITEM, total_gb, minimum_gb, target=target, unit="GB", detail=detail)
+    return Result(
+        ITEM, Status.FAIL, "disk-size.too-small", total_gb, minimum_gb, target=target, unit="GB", detail=detail,
+        hint=f"{path} is {total_gb:g} GB, the job needs more than {minimum_gb:g} GB: run on a node with a larger disk",
+    )

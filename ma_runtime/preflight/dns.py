@@ -1,0 +1,351 @@
+"""The `dns` check: every host name of the job resolves (platform contract §6.2).
+
+The names are those in Volcano's `*.host` files directly under
+`spec.preflight_volcano_dir` (the svc plugin writes `<task>.host`, and a
+`<task>.num` count that is not a name list), plus the comma-separated entries of
+`VC_WORKER_HOSTS`. Pods of one job come up at different times, so a name that
+does not resolve yet is retried in rounds, with backoff, until the deadline.
+
+Lookups run on a small pool of daemon threads: `socket.getaddrinfo` cannot be
+cancelled, and a hung one must neither hold up the check past its timeout nor
+keep the interpreter from exiting (which concurrent.futures' workers would do).
+"""
+
+import dataclasses
+import ipaddress
+import os
+import queue
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
+
+from ma_runtime.preflight.model import Result, Status, passed, skipped
+
+ITEM = "dns"
+WORKERS_MAX = 64
+BACKOFF_FIRST_SECONDS = 0.25
+BACKOFF_MAX_SECONDS = 5.0
+TIMEOUT_MIN_SECONDS = 0.05
+UNRESOLVED_LISTED = 50  # names kept in detail["unresolved"]
+ERRORS_LISTED = 5  # names whose last error goes into detail["errors"]
+HINT_NAMES = 3  # names quoted in the hint
+
+# Runs one lookup; returns None when the name resolved, else what went wrong.
+Lookup = Callable[[str], Optional[str]]
+
+
+def run(spec, environ: Mapping[str, str]) -> List[Result]:
+    volcano_dir = Path(spec.preflight_volcano_dir)
+    try:
+        names = host_names(volcano_dir, environ)
+    except OSError as exc:
+        return [_unreadable(exc)]
+    if not names:
+        reason = f"no {volcano_dir}/*.host files and VC_WORKER_HOSTS unset: single-node job"
+        return [skipped(ITEM, reason)]
+    outcome = resolve(names, spec.preflight_dns_timeout_seconds, spec.preflight_dns_deadline_seconds)
+    return [_result(outcome, spec.preflight_dns_deadline_seconds)]
+
+
+# --- which names ----------------------------------------------------------------------------------
+
+
+def host_names(volcano_dir: Path, environ: Mapping[str, str]) -> List[str]:
+    """Names from `<volcano_dir>/*.host` (in file-name order), then VC_WORKER_HOSTS; no duplicates.
+
+    Raises OSError for a directory or `.host` file that exists but cannot be read.
+    """
+    names: List[str] = []
+    for path in host_files(volcano_dir):
+        names.extend(names_in_text(path.read_text(encoding="utf-8", errors="replace")))
+    names.extend(part.strip() for part in environ.get("VC_WORKER_HOSTS", "").split(","))
+    # dict keeps the first-seen order
+    return list(dict.fromkeys(name for name in names if name))
+
+
+def host_files(volcano_dir: Path) -> List[Path]:
+    try:
+        entries = list(os.scandir(volcano_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []  # no Volcano directory: not a Volcano job (or a single-node one)
+    # is_file() follows symlinks: a ConfigMap volume links `worker.host` to `..data/worker.host`.
+    return sorted(Path(entry.path) for entry in entries if entry.name.endswith(".host") and entry.is_file())
+
+
+def names_in_text(text: str) -> List[str]:
+    names: List[str] = []
+    for line in text.splitlines():
+        names.extend(names_in_line(line))
+    return names
+
+
+def names_in_line(line: str) -> List[str]:
+    """`name [name ...]`, or hosts-file style `address name [alias ...]`; `#` starts a comment."""
+    tokens = line.split("#", 1)[0].split()
+    if tokens and _is_address(tokens[0]):
+        return tokens[1:]
+    return tokens
+
+
+def _is_address(token: str) -> bool:
+    try:
+        ipaddress.ip_address(token)  # IPv4 or IPv6, a zone (fe80::1%eth0) included
+    except ValueError:
+        return False
+    return True
+
+
+# --- resolving ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Resolution:
+    resolved: List[str]
+    unresolved: List[str]  # in the order the names were given
+    errors: Dict[str, str]  # unresolved name -> last thing that went wrong
+    rounds: int
+
+
+def getaddrinfo_lookup(name: str) -> Optional[str]:
+    try:
+        socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except Exception as exc:  # gaierror, or UnicodeError for a label IDNA rejects: a failed lookup either way
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def resolve(
+    names: List[str],
+    timeout: float,
+    deadline: float,
+    lookup: Lookup = getaddrinfo_lookup,
+) -> Resolution:
+    """Looks every name up concurrently, retrying failures in rounds until all resolve or `deadline` s pass.
+
+    Each attempt is waited on for at most `timeout` s. A deadline shorter than
+    one timeout still lets the first round's attempts run their full timeout.
+    """
+    # A zero timeout would abandon every lookup the moment it starts.
+    timeout = max(timeout, TIMEOUT_MIN_SECONDS)
+    end = time.monotonic() + max(deadline, timeout)
+    tracker = _Tracker(names)
+    pool = _Pool(min(WORKERS_MAX, len(names)), lookup)
+    rounds = 0
+    backoff = BACKOFF_FIRST_SECONDS
+    try:
+        while True:
+            batch = tracker.retryable()
+            if batch:
+                rounds += 1
+                tracker.start(batch)
+                pool.submit(batch)
+                _wait_round(pool, tracker, batch, timeout, end)
+            if _finished(tracker, end):
+                break
+            _pause(pool, tracker, _jittered(backoff), end)
+            backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+            if _finished(tracker, end):
+                break
+    finally:
+        pool.close()
+    return tracker.resolution(rounds)
+
+
+def _finished(tracker: "_Tracker", end: float) -> bool:
+    return tracker.all_resolved() or time.monotonic() >= end
+
+
+def _jittered(backoff: float) -> float:
+    # Pods of one job start together; jitter keeps their retries from hitting the DNS server in step.
+    return backoff + random.uniform(0, backoff / 2)
+
+
+def _wait_round(pool: "_Pool", tracker: "_Tracker", batch: List[str], timeout: float, end: float) -> None:
+    """Until every attempt of `batch` succeeded, failed or ran past `timeout`, or `end` comes."""
+    waiting = set(batch)
+    while waiting:
+        now = time.monotonic()
+        if now >= end:
+            return
+        for name, started in pool.running().items():
+            if name in waiting and now - started >= timeout:
+                pool.abandon(name)
+                tracker.time_out(name, timeout)
+                waiting.discard(name)
+        # A lookup not started yet times out no earlier than `now + timeout`; started ones may sooner.
+        wake = min([end, now + timeout] + [started + timeout for started in pool.running().values()])
+        for name in _collect(pool, tracker, max(0.0, wake - now)):
+            waiting.discard(name)
+
+
+def _pause(pool: "_Pool", tracker: "_Tracker", seconds: float, end: float) -> None:
+    """The backoff between rounds; results of earlier, overdue lookups still count when they come in."""
+    until = min(time.monotonic() + seconds, end)
+    while not tracker.all_resolved():
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        _collect(pool, tracker, left)
+
+
+def _collect(pool: "_Pool", tracker: "_Tracker", wait: float) -> List[str]:
+    """Names whose lookup finished: waits up to `wait` s for the first, then takes what else is there."""
+    finished = []
+    item = pool.next_outcome(wait)
+    while item is not None:
+        name, error = item
+        tracker.finish(name, error)
+        finished.append(name)
+        item = pool.next_outcome(0)
+    return finished
+
+
+class _Tracker:
+    """What the main thread knows about each name: resolved, last error, lookup in flight."""
+
+    def __init__(self, names: List[str]):
+        self.names = names
+        self.resolved: Set[str] = set()
+        self.errors: Dict[str, str] = {}
+        self.in_flight: Set[str] = set()  # submitted, outcome not in yet (queued, running or overdue)
+
+    def retryable(self) -> List[str]:
+        # A name whose previous lookup still runs (a hung resolver call) gets no second one.
+        return [name for name in self.names if name not in self.resolved and name not in self.in_flight]
+
+    def start(self, batch: List[str]) -> None:
+        self.in_flight.update(batch)
+
+    def finish(self, name: str, error: Optional[str]) -> None:
+        self.in_flight.discard(name)
+        if error is None:
+            self.resolved.add(name)
+            self.errors.pop(name, None)
+        else:
+            self.errors[name] = error
+
+    def time_out(self, name: str, timeout: float) -> None:
+        self.errors[name] = f"no answer within {timeout:g} s"
+
+    def all_resolved(self) -> bool:
+        return len(self.resolved) == len(self.names)
+
+    def resolution(self, rounds: int) -> Resolution:
+        unresolved = [name for name in self.names if name not in self.resolved]
+        errors = {name: self.errors.get(name, "not looked up before the deadline") for name in unresolved}
+        resolved = [name for name in self.names if name in self.resolved]
+        return Resolution(resolved, unresolved, errors, rounds)
+
+
+class _Seat:
+    """One worker thread's place in the pool; `abandoned` once its lookup ran past the timeout."""
+
+    def __init__(self) -> None:
+        self.abandoned = False
+
+
+class _Pool:
+    """A fixed number of live daemon workers; a worker stuck in a lookup is replaced, not waited for."""
+
+    def __init__(self, size: int, lookup: Lookup):
+        self._size = size
+        self._lookup = lookup
+        self._todo: queue.Queue[Optional[str]] = queue.Queue()
+        self._outcomes: queue.Queue[Tuple[str, Optional[str]]] = queue.Queue()
+        self._lock = threading.Lock()  # guards _running and the seats' `abandoned`
+        self._running: Dict[str, Tuple[float, _Seat]] = {}  # name -> (monotonic start, seat)
+        for _ in range(size):
+            self._start_worker()
+
+    def submit(self, names: List[str]) -> None:
+        for name in names:
+            self._todo.put(name)
+
+    def running(self) -> Dict[str, float]:
+        """Start times of the lookups running now and not abandoned."""
+        with self._lock:
+            return {name: started for name, (started, seat) in self._running.items() if not seat.abandoned}
+
+    def abandon(self, name: str) -> None:
+        with self._lock:
+            entry = self._running.get(name)
+            if entry is None or entry[1].abandoned:
+                return  # finished meanwhile: its outcome is on the way
+            entry[1].abandoned = True
+            # Keeps `size` workers free for the other names; the stuck one exits if its call ever returns.
+            self._start_worker()
+
+    def next_outcome(self, wait: float) -> Optional[Tuple[str, Optional[str]]]:
+        try:
+            return self._outcomes.get(timeout=wait) if wait > 0 else self._outcomes.get_nowait()
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        # Names not started yet are dropped: the check is over, nobody will read their outcome.
+        try:
+            while True:
+                self._todo.get_nowait()
+        except queue.Empty:
+            pass
+        for _ in range(self._size):
+            self._todo.put(None)
+
+    def _start_worker(self) -> None:
+        seat = _Seat()
+        threading.Thread(target=self._work, args=(seat,), name="preflight-dns", daemon=True).start()
+
+    def _work(self, seat: _Seat) -> None:
+        while True:
+            name = self._todo.get()
+            if name is None:
+                return
+            with self._lock:
+                self._running[name] = (time.monotonic(), seat)
+            error = self._lookup(name)
+            with self._lock:
+                del self._running[name]
+                abandoned = seat.abandoned
+            self._outcomes.put((name, error))
+            if abandoned:
+                return  # a replacement took this seat
+
+
+# --- the Result -----------------------------------------------------------------------------------
+
+
+def _result(outcome: Resolution, deadline: float) -> Result:
+    total = len(outcome.resolved) + len(outcome.unresolved)
+    if not outcome.unresolved:
+        return passed(ITEM, len(outcome.resolved), total, unit="names", detail={"rounds": outcome.rounds})
+    detail = {
+        "unresolved": outcome.unresolved[:UNRESOLVED_LISTED],
+        "unresolved_count": len(outcome.unresolved),
+        "errors": {name: outcome.errors[name] for name in outcome.unresolved[:ERRORS_LISTED]},
+        "rounds": outcome.rounds,
+    }
+    return Result(
+        ITEM, Status.FAIL, "dns.unresolved", len(outcome.resolved), total, _hint(outcome.unresolved, total, deadline),
+        unit="names", detail=detail,
+    )
+
+
+def _hint(unresolved: List[str], total: int, deadline: float) -> str:
+    shown = ", ".join(unresolved[:HINT_NAMES])
+    more = f" and {len(unresolved) - HINT_NAMES} more" if len(unresolved) > HINT_NAMES else ""
+    return (
+        f"{len(unresolved)} of {total} host names did not resolve within {deadline:g} s ({shown}{more}): "
+        "the other pods may not be up yet; check that Volcano's svc plugin wrote them "
+        "(/etc/volcano/*.host, VC_WORKER_HOSTS) and that /etc/hosts or the cluster DNS knows them"
+    )
+
+
+def _unreadable(exc: OSError) -> Result:
+    where = exc.filename or "the Volcano directory"
+    return Result(
+        ITEM, Status.FAIL, "dns.unreadable", hint=f"cannot read {where}: {exc.strerror or exc}; check its permissions",
+        detail={"path": str(where), "error": str(exc)},
+    )
