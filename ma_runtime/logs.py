@@ -109,4 +109,6 @@ def stderr_sink() -> Sink:
 
 
 def get_logger(**context: Any):
-    return structlog.get_logger().bind(**context)
+    # The lazy proxy reads the configuration at each call, so a logger taken
+    # before `configure` (early errors) still follows the job's level and format.
+    return structlog.get_logger(**context)

@@ -25,7 +25,7 @@ _JOB_VARIABLES = (
     "MA_HOME", "MA_MOUNT_PATH", "MA_JOB_DIR", "MA_LOG_DIR", "MA_VJ_NAME", "MA_TASK_NAME", "VC_TASK_INDEX",
     "MA_NUM_HOSTS", "MA_NUM_GPUS", "MA_PROC_START_CNT", "MA_SCHEDULE_CNT", "MA_RUNTIME_CONFIG",
     "MA_RUNTIME_STOP_GRACE_SECONDS", "MA_RUNTIME_LOG_FORMAT", "MA_RUNTIME_LOG_LEVEL", "MA_RUNTIME_TERMINATION_LOG",
-    "MA_RUNTIME_LINEAGE",
+    "MA_RUNTIME_LINEAGE", "MA_SKIP_IMAGE_DETECT",
 )
 
 
@@ -35,6 +35,9 @@ def job_env(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
     env["MA_HOME"] = str(tmp_path / "home")
     env["MA_RUNTIME_TERMINATION_LOG"] = str(tmp_path / "termination-log-absent")
+    # Tests that set MA_NUM_GPUS for other reasons must not fail the GPU check on
+    # this accelerator-less machine; the accelerator checks have their own tests.
+    env["MA_RUNTIME_PREFLIGHT_ACCELERATOR"] = "none"
     return env
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from ma_runtime.preflight.model import Result, Status, passed, skipped
+from ma_runtime.spec import JobSpec
 
 ITEM = "dns"
 WORKERS_MAX = 64
@@ -37,7 +38,7 @@ HINT_NAMES = 3  # names quoted in the hint
 Lookup = Callable[[str], Optional[str]]
 
 
-def run(spec, environ: Mapping[str, str]) -> List[Result]:
+def run(spec: JobSpec, environ: Mapping[str, str]) -> List[Result]:
     volcano_dir = Path(spec.preflight_volcano_dir)
     try:
         names = host_names(volcano_dir, environ)
@@ -47,7 +48,7 @@ def run(spec, environ: Mapping[str, str]) -> List[Result]:
         reason = f"no {volcano_dir}/*.host files and VC_WORKER_HOSTS unset: single-node job"
         return [skipped(ITEM, reason)]
     outcome = resolve(names, spec.preflight_dns_timeout_seconds, spec.preflight_dns_deadline_seconds)
-    return [_result(outcome, spec.preflight_dns_deadline_seconds)]
+    return [_result(outcome, spec.preflight_dns_deadline_seconds, volcano_dir)]
 
 
 # --- which names ----------------------------------------------------------------------------------
@@ -126,11 +127,12 @@ def resolve(
     """Looks every name up concurrently, retrying failures in rounds until all resolve or `deadline` s pass.
 
     Each attempt is waited on for at most `timeout` s. A deadline shorter than
-    one timeout still lets the first round's attempts run their full timeout.
+    one timeout (0: try once) still lets the first round's attempts run their full timeout.
     """
     # A zero timeout would abandon every lookup the moment it starts.
     timeout = max(timeout, TIMEOUT_MIN_SECONDS)
-    end = time.monotonic() + max(deadline, timeout)
+    started = time.monotonic()
+    end = started + deadline
     tracker = _Tracker(names)
     pool = _Pool(min(WORKERS_MAX, len(names)), lookup)
     rounds = 0
@@ -142,7 +144,8 @@ def resolve(
                 rounds += 1
                 tracker.start(batch)
                 pool.submit(batch)
-                _wait_round(pool, tracker, batch, timeout, end)
+                round_end = max(end, started + timeout) if rounds == 1 else end
+                _wait_round(pool, tracker, batch, timeout, round_end)
             if _finished(tracker, end):
                 break
             _pause(pool, tracker, _jittered(backoff), end)
@@ -235,7 +238,8 @@ class _Tracker:
 
     def resolution(self, rounds: int) -> Resolution:
         unresolved = [name for name in self.names if name not in self.resolved]
-        errors = {name: self.errors.get(name, "not looked up before the deadline") for name in unresolved}
+        # Without an error, a name's first lookup was still queued or running when the deadline came.
+        errors = {name: self.errors.get(name, "no answer before the deadline") for name in unresolved}
         resolved = [name for name in self.names if name in self.resolved]
         return Resolution(resolved, unresolved, errors, rounds)
 
@@ -317,7 +321,7 @@ class _Pool:
 # --- the Result -----------------------------------------------------------------------------------
 
 
-def _result(outcome: Resolution, deadline: float) -> Result:
+def _result(outcome: Resolution, deadline: float, volcano_dir: Path) -> Result:
     total = len(outcome.resolved) + len(outcome.unresolved)
     if not outcome.unresolved:
         return passed(ITEM, len(outcome.resolved), total, unit="names", detail={"rounds": outcome.rounds})
@@ -327,19 +331,19 @@ def _result(outcome: Resolution, deadline: float) -> Result:
         "errors": {name: outcome.errors[name] for name in outcome.unresolved[:ERRORS_LISTED]},
         "rounds": outcome.rounds,
     }
+    hint = _hint(outcome.unresolved, total, deadline, volcano_dir)
     return Result(
-        ITEM, Status.FAIL, "dns.unresolved", len(outcome.resolved), total, _hint(outcome.unresolved, total, deadline),
-        unit="names", detail=detail,
+        ITEM, Status.FAIL, "dns.unresolved", len(outcome.resolved), total, hint, unit="names", detail=detail
     )
 
 
-def _hint(unresolved: List[str], total: int, deadline: float) -> str:
+def _hint(unresolved: List[str], total: int, deadline: float, volcano_dir: Path) -> str:
     shown = ", ".join(unresolved[:HINT_NAMES])
     more = f" and {len(unresolved) - HINT_NAMES} more" if len(unresolved) > HINT_NAMES else ""
     return (
         f"{len(unresolved)} of {total} host names did not resolve within {deadline:g} s ({shown}{more}): "
         "the other pods may not be up yet; check that Volcano's svc plugin wrote them "
-        "(/etc/volcano/*.host, VC_WORKER_HOSTS) and that /etc/hosts or the cluster DNS knows them"
+        f"({volcano_dir}/*.host, VC_WORKER_HOSTS) and that /etc/hosts or the cluster DNS knows them"
     )
 
 
