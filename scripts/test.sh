@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment with the test tools and runs lint and the whole test suite.
+# Sets up a virtual environment with the test tools and runs lint and the whole test suite,
+# then the suite again on Python 3.9 (what the Ascend base images ship) when one is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The PID-1 comparison suite runs Debian's tini and dumb-init side by side with ma-run.
@@ -10,8 +11,22 @@ if ! command -v tini >/dev/null || ! command -v dumb-init >/dev/null; then
     echo "tini/dumb-init missing and not root: their comparison tests will be skipped" >&2
   fi
 fi
-python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[test]'
+
+setup() {  # setup PYTHON VENV
+  "$1" -m venv "$2"
+  "$2/bin/python" -m pip install --quiet --upgrade pip
+  "$2/bin/python" -m pip install --quiet -e '.[test]'
+}
+
+setup python3 .venv
 .venv/bin/ruff check ma_runtime tests benchmarks examples
 .venv/bin/python -m pytest -q "$@"
+
+py39=$(command -v python3.9 || ls /root/.pyenv/versions/3.9*/bin/python3.9 2>/dev/null | head -n 1 || true)
+if [ -n "$py39" ]; then
+  echo "== the same suite on $("$py39" --version)"
+  setup "$py39" .venv39
+  .venv39/bin/python -m pytest -q "$@"
+else
+  echo "python3.9 not found: the Python 3.9 run is skipped" >&2
+fi
