@@ -22,7 +22,16 @@ setup python3 .venv
 .venv/bin/ruff check ma_runtime tests benchmarks examples
 .venv/bin/python -m pytest -q "$@"
 
-py39=$(command -v python3.9 || ls /root/.pyenv/versions/3.9*/bin/python3.9 2>/dev/null | head -n 1 || true)
+find_python39() {  # the first candidate that really runs 3.9 (a pyenv shim may exist and fail)
+  for candidate in python3.9 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.9*/bin/python3.9 /usr/bin/python3.9; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 9)' >/dev/null 2>&1; then
+      echo "$candidate"
+      return
+    fi
+  done
+}
+
+py39=$(find_python39)
 if [ -n "$py39" ]; then
   echo "== the same suite on $("$py39" --version)"
   setup "$py39" .venv39

@@ -21,7 +21,14 @@ def test_version(job_env):
 
 @pytest.mark.parametrize(
     "argv",
-    [[MA_RUNTIME, "--help"], [MA_RUNTIME, "run", "--help"], [MA_RUN, "--help"], [MA_RUNTIME, "version", "--help"]],
+    [
+        [MA_RUNTIME, "--help"],
+        [MA_RUNTIME, "run", "--help"],
+        [MA_RUN, "--help"],
+        [MA_RUNTIME, "version", "--help"],
+        [MA_RUNTIME, "preflight", "--help"],
+        [MA_RUNTIME.replace("ma-runtime", "ma-preflight"), "--help"],
+    ],
 )
 def test_help_on_each_command(job_env, argv):
     result = run(argv, job_env)
