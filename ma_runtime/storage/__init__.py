@@ -1,0 +1,1 @@
+"""Object storage: URLs, one store interface with OBS and local backends, the transfer engine."""
