@@ -186,6 +186,25 @@ SETTINGS: Tuple[Setting, ...] = (
             ("_tool_timeout_seconds", _seconds, "timeout of nvidia-smi / npu-smi", 10.0),
         )
     ),
+    Setting("storage_endpoint", "MA_S3_ENDPOINT", str, "OBS endpoint, e.g. https://obs.cn-north-4.myhuaweicloud.com",
+            cli=False),
+    Setting("storage_use_https", "S3_USE_HTTPS", _switch, "HTTPS (1) or HTTP (0) for an endpoint without scheme",
+            True, cli=False),
+    Setting("storage_verify_ssl", "S3_VERIFY_SSL", _switch, "verify the endpoint's certificate", False, cli=False),
+    *(
+        Setting(f"storage_{name}", f"MA_RUNTIME_STORAGE_{name.upper()}", parse, help, default, cli=False)
+        for name, parse, help, default in (
+            ("signature", _choice(("v4", "v2", "obs")), "request signature", "v4"),
+            ("region", str, "signing region (default: from the endpoint's host, obs.<region>.)", ""),
+            ("path_style", _choice(("auto", "on", "off")), "path-style addressing (auto: on for IPs and "
+             "non-Huawei hosts)", "auto"),
+            ("workers", _integer(1), "concurrent requests", 16),
+            ("part_mb", _number(1), "part size of ranged downloads and multipart uploads, MB", 32.0),
+            ("large_mb", _number(1), "objects at least this big go in parallel parts, MB", 64.0),
+            ("retry_seconds", _seconds, "how long one request is retried", 120.0),
+            ("progress_seconds", _seconds, "interval of progress lines", 10.0),
+        )
+    ),
     Setting(
         "skip_image_detect",
         "MA_SKIP_IMAGE_DETECT",
@@ -201,7 +220,7 @@ parse_check_names = _names(PREFLIGHT_CHECKS)
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters",)
 # Job-file sections whose keys are settings named `<section>_<key>`.
-FILE_SECTIONS = ("preflight",)
+FILE_SECTIONS = ("preflight", "storage")
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
 
 
@@ -240,6 +259,17 @@ class JobSpec:
     preflight_dev_dir: Path
     preflight_tool_timeout_seconds: float
     skip_image_detect: str
+    storage_endpoint: Optional[str]
+    storage_use_https: bool
+    storage_verify_ssl: bool
+    storage_signature: str
+    storage_region: str
+    storage_path_style: str
+    storage_workers: int
+    storage_part_mb: float
+    storage_large_mb: float
+    storage_retry_seconds: float
+    storage_progress_seconds: float
     # Ordered (name, value) pairs, appended to the command as --name=value.
     hyperparameters: Tuple[Tuple[str, str], ...] = ()
     config_file: Optional[Path] = None

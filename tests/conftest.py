@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.storage_env"]
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MA_RUN = str(BIN / "ma-run")
