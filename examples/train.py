@@ -16,12 +16,22 @@ import time
 
 def parse_args():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--data_url", help="directory holding points.csv (staged in by ma-run)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--train_url", default=os.path.join(os.environ.get("MA_MOUNT_PATH", "."), "outputs"))
     parser.add_argument("--step_seconds", type=float, default=0.05)
     args, unknown = parser.parse_known_args()  # the platform may append more than we know
     return args
+
+
+def load_data(data_url):
+    """points.csv from the staged input, or the same synthetic points when run alone."""
+    if not data_url:
+        return make_data()
+    with open(os.path.join(data_url, "points.csv")) as f:
+        next(f)  # header
+        return [tuple(map(float, line.split(","))) for line in f if line.strip()]
 
 
 def make_data(count=64, seed=0):
@@ -40,7 +50,7 @@ def save(path, model):
 
 def main():
     args = parse_args()
-    data = make_data()
+    data = load_data(args.data_url)
     model = {"w": 0.0, "b": 0.0, "epoch": 0}
 
     def on_sigterm(_signum, _frame):
@@ -49,7 +59,8 @@ def main():
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    print(f"start: attempt {os.environ.get('MA_PROC_START_CNT', '1')}, lr={args.lr}, epochs={args.epochs}", flush=True)
+    print(f"start: attempt {os.environ.get('MA_PROC_START_CNT', '1')}, lr={args.lr}, epochs={args.epochs}, "
+          f"{len(data)} points from {args.data_url or 'memory'}", flush=True)
     for epoch in range(1, args.epochs + 1):
         grad_w = sum(2 * (model["w"] * x + model["b"] - y) * x for x, y in data) / len(data)
         grad_b = sum(2 * (model["w"] * x + model["b"] - y) for x, y in data) / len(data)

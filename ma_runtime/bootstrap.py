@@ -11,6 +11,8 @@ from ma_runtime.errors import Category, ConfigError, ExitCode, PreflightFailed, 
 from ma_runtime.launch.args import build_argv
 from ma_runtime.output import Sink, tail_of
 from ma_runtime.redact import Masker
+from ma_runtime.stagein import Staged, stage_in
+from ma_runtime.storage import url as storage_url
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import SignalQueue, become_subreaper, is_pid1
 from ma_runtime.supervise.supervisor import Outcome, Supervisor
@@ -41,7 +43,8 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         for note in spec.notes:
             log.info(note)
         _preflight(spec, log)
-        return _run_command(spec, command, context)
+        staged = stage_in(spec, os.environ, log)
+        return _run_command(spec, command, context, staged)
     except RuntimeFailure as failure:
         return context.fail(failure)
     except Exception as exc:  # a bug of ours: still one line, a code, and a message
@@ -155,10 +158,11 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     return ExitCode.OK if report.ok else ExitCode.PREFLIGHT_FAILED
 
 
-def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context) -> int:
+def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged) -> int:
     log = logs.get_logger()
     run_id = os.urandom(6).hex()
-    argv = build_argv(command, spec.hyperparameters)
+    # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (§12 item 21).
+    argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
     pid1 = is_pid1()
     # First, so that a SIGTERM from now on is queued for the command, not lost
     # (PID 1 ignores signals it has no handler for).
@@ -180,7 +184,7 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
         )
         worker = spawn(
             argv,
-            _worker_env(spec, run_id),
+            {**_worker_env(spec, run_id), **staged.env},
             cwd=None,
             stdout_sinks=[Sink(1, "<stdout>"), context.task_log],
             stderr_sinks=[logs.stderr_sink(), context.task_log],
@@ -278,6 +282,14 @@ def _print_config(spec: spec_module.JobSpec, command: Sequence[str], masker: Mas
         "sources": dict(spec.sources),
         "config_file": str(spec.config_file) if spec.config_file else None,
         "hyperparameters": dict(spec.hyperparameters),
+        "code": {"url": spec.code_url, "path": str(spec.job_dir / storage_url.parse(spec.code_url).last_part)}
+        if spec.code_url
+        else None,
+        "channels": [
+            {"kind": c.kind, "name": c.name, "url": c.url, "mode": c.mode, "predownload": c.predownload,
+             "path": str(c.local_dir(spec.mount_path))}
+            for c in (*spec.inputs, *spec.outputs)
+        ],
         "task_log": str(spec.task_log_path),
         "termination_message": str(spec.termination_path),
         "command": list(command),

@@ -109,6 +109,16 @@ def _targets(text: str) -> Tuple[Tuple[str, Path], ...]:
     return tuple(pairs)
 
 
+def _url(text: str) -> str:
+    from ma_runtime.storage import url as storage_url  # obs://, s3://, file:// or a path
+
+    try:
+        storage_url.parse(text)
+    except ConfigError as exc:
+        raise BadValue(exc.reason.replace("URL: ", "is not a usable URL: ", 1)) from None
+    return str(text).strip()
+
+
 def _path(text: str) -> Path:
     if not str(text).strip():
         raise BadValue("is an empty path")
@@ -186,6 +196,7 @@ SETTINGS: Tuple[Setting, ...] = (
             ("_tool_timeout_seconds", _seconds, "timeout of nvidia-smi / npu-smi", 10.0),
         )
     ),
+    Setting("code_url", "MA_RUNTIME_CODE_URL", _url, "code directory to download into MA_JOB_DIR", cli=False),
     Setting("storage_endpoint", "MA_S3_ENDPOINT", str, "OBS endpoint, e.g. https://obs.cn-north-4.myhuaweicloud.com",
             cli=False),
     Setting("storage_use_https", "S3_USE_HTTPS", _switch, "HTTPS (1) or HTTP (0) for an endpoint without scheme",
@@ -218,9 +229,9 @@ SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
 # Parses `--only dns,disk-size` and MA_RUNTIME_PREFLIGHT_CHECKS alike.
 parse_check_names = _names(PREFLIGHT_CHECKS)
 # Job-file keys that are not single settings.
-FILE_ONLY_KEYS = ("hyperparameters",)
+FILE_ONLY_KEYS = ("hyperparameters", "inputs", "outputs")
 # Job-file sections whose keys are settings named `<section>_<key>`.
-FILE_SECTIONS = ("preflight", "storage")
+FILE_SECTIONS = ("preflight", "storage", "code")
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
 
 
@@ -259,6 +270,7 @@ class JobSpec:
     preflight_dev_dir: Path
     preflight_tool_timeout_seconds: float
     skip_image_detect: str
+    code_url: Optional[str]
     storage_endpoint: Optional[str]
     storage_use_https: bool
     storage_verify_ssl: bool
@@ -272,6 +284,8 @@ class JobSpec:
     storage_progress_seconds: float
     # Ordered (name, value) pairs, appended to the command as --name=value.
     hyperparameters: Tuple[Tuple[str, str], ...] = ()
+    inputs: Tuple["Channel", ...] = ()
+    outputs: Tuple["Channel", ...] = ()
     config_file: Optional[Path] = None
     # Where each setting's value came from: "flag", "env", "file" or "default".
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
@@ -338,6 +352,8 @@ def load(
     return JobSpec(
         **values,
         hyperparameters=_hyperparameters(file_values.get("hyperparameters")),
+        inputs=_channels("inputs", file_values.get("inputs")),
+        outputs=_channels("outputs", file_values.get("outputs")),
         config_file=config_path,
         sources=sources,
         notes=tuple(notes),
@@ -472,6 +488,57 @@ def _hyperparameters(raw: Any) -> Tuple[Tuple[str, str], ...]:
             raise ConfigError(f"job file key 'hyperparameters.{name}': expected a string, number or boolean")
         pairs.append((name, format_value(value)))
     return tuple(pairs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Channel:
+    """One input or output of the job file: where it lives, and how the command hears of it."""
+
+    kind: str  # "inputs" or "outputs"
+    index: int  # position in its list: the platform's `<name>_<index>` local directory
+    name: str  # the parameter name: --<name>=<local path>, or the variable <name>
+    url: str
+    mode: str = "argument"  # "argument" or "env"
+    predownload: bool = False  # outputs: fetch what is already there (resume)
+
+    def local_dir(self, mount_path: Path) -> Path:
+        """`${MA_MOUNT_PATH}/inputs/data_url_0`, `${MA_MOUNT_PATH}/outputs/train_url_0` (001:6827)."""
+        return mount_path / self.kind / f"{self.name}_{self.index}"
+
+
+_CHANNEL_KEYS = {"inputs": ("name", "url", "mode"), "outputs": ("name", "url", "mode", "predownload")}
+
+
+def _channels(kind: str, raw: Any) -> Tuple[Channel, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"job file key '{kind}' must be a list of {{name, url, ...}} entries")
+    return tuple(_channel(kind, index, entry) for index, entry in enumerate(raw))
+
+
+def _channel(kind: str, index: int, entry: Any) -> Channel:
+    where = f"job file key '{kind}[{index}]'"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be a mapping with name and url")
+    unknown = [k for k in entry if k not in _CHANNEL_KEYS[kind]]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key '{unknown[0]}'", hint=f"known: {', '.join(_CHANNEL_KEYS[kind])}")
+    name, url = str(entry.get("name") or ""), entry.get("url")
+    if not _HYPERPARAMETER_NAME.match(name):
+        raise ConfigError(f"{where}: name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ -")
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"{where}: url is missing")
+    from ma_runtime.storage import url as storage_url  # validates obs://, s3://, file://, paths
+
+    storage_url.parse(url, f"{where}.url")
+    mode = str(entry.get("mode", "argument"))
+    if mode not in ("argument", "env"):
+        raise ConfigError(f"{where}: mode must be argument or env, not {mode!r}")
+    predownload = entry.get("predownload", False)
+    if not isinstance(predownload, bool):
+        raise ConfigError(f"{where}: predownload must be true or false")
+    return Channel(kind, index, name, url.strip(), mode, predownload)
 
 
 def format_value(value: Any) -> str:

@@ -11,5 +11,5 @@ status=0
 .venv/bin/ma-run --config examples/job.yaml -- .venv/bin/python examples/train.py || status=$?
 echo "== exit code: $status"
 echo "== task log: $(ls "$MA_HOME"/modelarts/log/*.log)"
-echo "== model: $(cat "$MA_HOME"/modelarts/outputs/model.json)"
+echo "== model: $(cat "$MA_HOME"/modelarts/outputs/train_url_0/model.json)"
 exit "$status"

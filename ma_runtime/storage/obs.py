@@ -1,0 +1,390 @@
+"""The OBS backend: Huawei's esdk-obs-python `ObsClient` behind the ObjectStore contract.
+
+Settings (spec.py) and the decisions made from them:
+- endpoint: `MA_S3_ENDPOINT` / `storage.endpoint`; without a scheme, https:// or
+  http:// per `S3_USE_HTTPS`.
+- credentials: `OBS_ACCESS_KEY_ID`, `OBS_SECRET_ACCESS_KEY` and the optional
+  `OBS_SECURITY_TOKEN`, passed to the SDK explicitly. Its own provider chain stays
+  off (`security_provider_policy` unset), so it never queries the ECS metadata
+  service. The values appear in no message: messages name the variables, and
+  every message built here is masked for the values too.
+- region (signs v4 requests): `storage.region`, else `<region>` of a host shaped
+  `obs.<region>.<domain>.<tld>` (obs.cn-north-4.myhuaweicloud.com), else
+  "us-east-1", what S3-compatible servers (MinIO, moto) expect by default.
+- path style: "auto" is on for IP addresses and any host outside
+  myhuaweicloud.com / huaweicloud.com (private clouds, S3-compatible servers,
+  localhost); Huawei's public endpoints get virtual-host style (bucket.obs...).
+- signature: as configured, with the SDK's per-bucket negotiation off. Note the
+  SDK quirk: "obs" together with path style is silently signed as "v2".
+- retries: the SDK's are off (`max_retry_count=0`); the transfer engine retries
+  TransientError itself, with its own deadline.
+- timeout: the SDK has one, applied to every socket operation (connect, each
+  send, each receive), not a connect/read pair. 60 s, the SDK's default: a
+  CompleteMultipartUpload of many parts can take a while to answer, and a retried
+  complete would fail with NoSuchUpload.
+- connections: one per request (the SDK's default, `long_conn_mode` off). Its
+  pool would take back a connection whose ranged body we stopped reading early.
+
+The SDK has two failure styles: connection problems raise, HTTP errors come back
+as `resp.status` / `resp.errorCode`. `ObsStore._call` is the one place both go
+through, and `_failure_of_exception` / `_failure_of_status` the one mapping.
+"""
+
+import http.client
+import ipaddress
+import os
+import ssl
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from urllib.parse import urlsplit
+
+from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
+
+from ma_runtime.redact import Masker
+from ma_runtime.storage.base import AccessDenied, NotFound, ObjectInfo, StorageError, TransientError
+
+try:  # requests (an SDK dependency) brings urllib3, whose errors are not all OSErrors
+    from urllib3.exceptions import HTTPError as Urllib3Error
+except ImportError:  # pragma: no cover - urllib3 comes with the SDK
+    Urllib3Error = OSError
+
+ACCESS_KEY_VARIABLE = "OBS_ACCESS_KEY_ID"
+SECRET_KEY_VARIABLE = "OBS_SECRET_ACCESS_KEY"
+TOKEN_VARIABLE = "OBS_SECURITY_TOKEN"
+CREDENTIAL_SOURCE = f"{ACCESS_KEY_VARIABLE}/{SECRET_KEY_VARIABLE}"
+
+CHUNK = 1 << 20  # bytes read from a body and written to the file at a time
+PAGE_SIZE = 1000  # keys per listing request, the server's maximum
+TIMEOUT_SECONDS = 60
+DEFAULT_REGION = "us-east-1"
+HUAWEI_DOMAINS = ("myhuaweicloud.com", "huaweicloud.com")
+RETRYABLE_STATUSES = (429,)  # and every status >= 500
+# OSErrors about our own files, not the network: retrying does not help.
+LOCAL_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+class ObsStore:
+    def __init__(self, client: ObsClient, endpoint: str, masker: Masker, credential_source: str = CREDENTIAL_SOURCE):
+        self._client = client
+        self._endpoint = endpoint
+        self._masker = masker
+        self._credential_source = credential_source
+        # upload id -> part number -> size, for the ObjectInfo of complete_multipart (the engine uses threads).
+        self._part_sizes: Dict[str, Dict[int, int]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, spec, environ: Mapping[str, str]) -> "ObsStore":
+        endpoint = endpoint_url(spec.storage_endpoint, spec.storage_use_https)
+        access_key, secret_key, token = read_credentials(environ)
+        masker = Masker(value for value in (access_key, secret_key, token) if value)
+        client = new_client(spec, endpoint, access_key, secret_key, token, masker)
+        source = CREDENTIAL_SOURCE + (f"/{TOKEN_VARIABLE}" if token else "")
+        return cls(client, endpoint, masker, source)
+
+    def describe(self) -> str:
+        return f"OBS endpoint {self._endpoint} (credentials from {self._credential_source})"
+
+    # --- reading -----------------------------------------------------------------------------------
+
+    def list(self, bucket: str, prefix: str) -> Iterator[ObjectInfo]:
+        marker: Optional[str] = None
+        while True:
+            page = self._call("listing", bucket, prefix, self._client.listObjects, bucket, prefix=prefix or None,
+                              marker=marker, max_keys=PAGE_SIZE, encoding_type="url")
+            listing = self._body_of(page, "listing", bucket, prefix)
+            entries = listing.contents or []
+            for entry in entries:
+                yield ObjectInfo(entry.key, int(entry.size or 0), unquote_etag(entry.etag))
+            if not listing.is_truncated:
+                return
+            marker = self._next_marker(listing, entries, marker, bucket, prefix)
+
+    def head(self, bucket: str, key: str) -> ObjectInfo:
+        resp = self._call("reading the metadata of", bucket, key, self._client.getObjectMetadata, bucket, key)
+        metadata = self._body_of(resp, "reading the metadata of", bucket, key)
+        if metadata.contentLength is None:
+            raise StorageError(f"reading the metadata of {object_url(bucket, key)}: no Content-Length in the answer")
+        return ObjectInfo(key, int(metadata.contentLength), unquote_etag(metadata.etag))
+
+    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int) -> int:
+        if length <= 0:
+            return 0  # "bytes=5-4" is not a range; there is nothing to fetch
+        byte_range = f"bytes={start}-{start + length - 1}"
+        # loadStreamInMemory=False hands back the open response, so the body streams instead of being buffered.
+        resp = self._call("reading", bucket, key, self._client.getObject, bucket, key, loadStreamInMemory=False,
+                          extensionHeaders={"Range": byte_range})
+        stream = resp.body.response
+        try:
+            if resp.status != 206 and start != 0:
+                # A 200 carries the object from byte 0: writing it at `offset` would corrupt the file.
+                raise StorageError(f"reading {object_url(bucket, key)}: the server ignored Range {byte_range}")
+            return self._copy_body(stream, length, fd, offset, object_url(bucket, key))
+        finally:
+            stream.close()
+
+    # --- writing -----------------------------------------------------------------------------------
+
+    def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
+        _require_key(bucket, key)
+        size = _local_file_size(path, "uploading", bucket, key)
+        resp = self._call("uploading to", bucket, key, self._client.putFile, bucket, key, path)
+        return ObjectInfo(key, size, unquote_etag(self._body_of(resp, "uploading to", bucket, key).etag))
+
+    def create_multipart(self, bucket: str, key: str) -> str:
+        _require_key(bucket, key)
+        resp = self._call("starting a multipart upload to", bucket, key, self._client.initiateMultipartUpload,
+                          bucket, key)
+        upload_id = self._body_of(resp, "starting a multipart upload to", bucket, key).uploadId
+        if not upload_id:
+            raise StorageError(f"starting a multipart upload to {object_url(bucket, key)}: no upload id in the answer")
+        return upload_id
+
+    def upload_part(self, bucket: str, key: str, upload_id: str, number: int, path: str, offset: int,
+                    size: int) -> str:
+        action = f"uploading part {number} to"
+        _check_part_bounds(path, offset, size, action, bucket, key)
+        resp = self._call(action, bucket, key, self._client.uploadPart, bucket, key, number, upload_id,
+                          object=path, isFile=True, offset=offset, partSize=size)
+        etag = unquote_etag(self._body_of(resp, action, bucket, key).etag)
+        if not etag:
+            raise StorageError(f"{action} {object_url(bucket, key)}: no ETag in the answer")
+        with self._lock:
+            self._part_sizes.setdefault(upload_id, {})[number] = size
+        return etag
+
+    def complete_multipart(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]]) -> ObjectInfo:
+        # The request body carries ETags quoted, as servers hand them out.
+        request = CompleteMultipartUploadRequest(
+            parts=[CompletePart(partNum=number, etag=f'"{unquote_etag(etag)}"') for number, etag in sorted(parts)]
+        )
+        action = "completing the multipart upload to"
+        resp = self._call(action, bucket, key, self._client.completeMultipartUpload, bucket, key, upload_id, request)
+        etag = unquote_etag(self._body_of(resp, action, bucket, key).etag)
+        return ObjectInfo(key, self._completed_size(bucket, key, upload_id, parts), etag)
+
+    def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        self._call("abandoning the multipart upload to", bucket, key, self._client.abortMultipartUpload,
+                   bucket, key, upload_id)
+        with self._lock:
+            self._part_sizes.pop(upload_id, None)
+
+    # --- helpers -----------------------------------------------------------------------------------
+
+    def _completed_size(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]]) -> int:
+        # The answer to a complete carries no size: sum the parts this store uploaded, else ask.
+        with self._lock:
+            sizes = self._part_sizes.pop(upload_id, {})
+        if all(number in sizes for number, _etag in parts):
+            return sum(sizes[number] for number, _etag in parts)
+        try:
+            return self.head(bucket, key).size
+        except StorageError as exc:
+            # Not a TransientError: retrying the complete itself would now fail with NoSuchUpload.
+            raise StorageError(f"completed {object_url(bucket, key)}, but reading its size failed: {exc}") from exc
+
+    def _call(self, action: str, bucket: str, key: str, method: Callable[..., Any], *args, **kwargs) -> Any:
+        """Runs one SDK request; raises the mapped StorageError for a raised exception or a status >= 300."""
+        try:
+            resp = method(*args, **kwargs)
+        except Exception as exc:
+            raise self._failure_of_exception(exc, action, bucket, key) from exc
+        if resp.status >= 300:
+            raise self._failure_of_status(resp, action, bucket, key)
+        return resp
+
+    def _failure_of_exception(self, exc: BaseException, action: str, bucket: str, key: str) -> StorageError:
+        where = f"{action} {object_url(bucket, key)}"
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            # Retrying does not fix a certificate; say how to turn verification off.
+            return StorageError(self._masked(f"{where}: certificate not trusted ({_one_line(exc)})"),
+                                hint="install the CA certificate, or set S3_VERIFY_SSL=0")
+        if is_network_error(exc):
+            return TransientError(self._masked(f"{where}: {type(exc).__name__}: {_one_line(exc)}"))
+        return StorageError(self._masked(f"{where}: {type(exc).__name__}: {_one_line(exc)}"))
+
+    def _failure_of_status(self, resp: Any, action: str, bucket: str, key: str) -> StorageError:
+        status = int(resp.status)
+        answer = " ".join(str(part) for part in (f"HTTP {status}", resp.errorCode, resp.errorMessage) if part)
+        where = f"{action} {object_url(bucket, key)}"
+        if status >= 500 or status in RETRYABLE_STATUSES:
+            return TransientError(self._masked(f"{where}: {answer}"))
+        if status == 403:
+            return AccessDenied(
+                self._masked(f"{where}: access denied to bucket {bucket!r} ({answer}) with the credentials from "
+                             f"{self._credential_source}"),
+                hint=f"check that the credentials in {self._credential_source} may use bucket {bucket!r}",
+            )
+        if status == 404:
+            missing = f"bucket {bucket!r} does not exist" if resp.errorCode == "NoSuchBucket" else "not found"
+            return NotFound(self._masked(f"{where}: {missing} ({answer})"))
+        return StorageError(self._masked(f"{where}: {answer}"))
+
+    def _body_of(self, resp: Any, action: str, bucket: str, key: str) -> Any:
+        # The SDK logs and swallows a parse error of a 2xx answer, leaving the body None.
+        if resp.body is None:
+            raise StorageError(f"{action} {object_url(bucket, key)}: unreadable answer (HTTP {resp.status})")
+        return resp.body
+
+    @staticmethod
+    def _next_marker(listing: Any, entries: List[Any], marker: Optional[str], bucket: str, prefix: str) -> str:
+        # S3 sends NextMarker only with a delimiter; without one the last key is the marker.
+        next_marker = listing.next_marker or (entries[-1].key if entries else None)
+        if not next_marker or next_marker == marker:
+            raise StorageError(f"listing {object_url(bucket, prefix)}: the server said 'truncated' but gave "
+                               "no next marker")
+        return next_marker
+
+    @staticmethod
+    def _copy_body(stream: Any, length: int, fd: int, offset: int, url: str) -> int:
+        done = 0
+        while done < length:
+            try:
+                chunk = stream.read(min(CHUNK, length - done))
+            except Exception as exc:  # the SDK's own "premature end" is a bare Exception
+                raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes "
+                                     f"({type(exc).__name__}: {_one_line(exc)})") from exc
+            if not chunk:
+                raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes")
+            _pwrite_all(fd, chunk, offset + done)
+            done += len(chunk)
+        return done
+
+    def _masked(self, message: str) -> str:
+        return self._masker.text(message)
+
+
+def endpoint_url(configured: Optional[str], use_https: bool) -> str:
+    endpoint = (configured or "").strip().rstrip("/")
+    if not endpoint:
+        raise StorageError("no OBS endpoint: set MA_S3_ENDPOINT or storage.endpoint in the job file")
+    if "://" not in endpoint:
+        endpoint = ("https://" if use_https else "http://") + endpoint
+    return endpoint
+
+
+def new_client(spec, endpoint: str, access_key: str, secret_key: str, token: Optional[str],
+               masker: Masker) -> ObsClient:
+    host = urlsplit(endpoint).hostname or ""
+    try:
+        with warnings.catch_warnings():
+            # The SDK builds its SSLContext with the deprecated PROTOCOL_SSLv23 name; nothing to act on.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            client = ObsClient(
+                access_key_id=access_key,
+                secret_access_key=secret_key,
+                security_token=token,
+                server=endpoint,
+                signature=spec.storage_signature,
+                region=signing_region(spec.storage_region, host),
+                path_style=uses_path_style(spec.storage_path_style, host),
+                ssl_verify=spec.storage_verify_ssl,
+                max_retry_count=0,  # the transfer engine retries, with its own deadline
+                timeout=TIMEOUT_SECONDS,
+                is_signature_negotiation=False,  # the configured signature, not an unauthenticated probe's
+            )
+    except Exception as exc:  # the SDK raises bare Exception for a malformed server
+        raise StorageError(masker.text(f"OBS endpoint {endpoint}: {_one_line(exc)}")) from None
+    if spec.storage_verify_ssl:
+        _verify_certificates(client)
+    return client
+
+
+def read_credentials(environ: Mapping[str, str]) -> Tuple[str, str, Optional[str]]:
+    """(access key, secret key, token or None); raises StorageError naming the missing variables only."""
+    missing = [name for name in (ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE) if not environ.get(name)]
+    if missing:
+        raise StorageError(f"no OBS credentials: {' and '.join(missing)} not set",
+                           hint=f"set {ACCESS_KEY_VARIABLE} and {SECRET_KEY_VARIABLE} (and {TOKEN_VARIABLE} for "
+                                "temporary credentials)")
+    return environ[ACCESS_KEY_VARIABLE], environ[SECRET_KEY_VARIABLE], environ.get(TOKEN_VARIABLE) or None
+
+
+def signing_region(configured: str, host: str) -> str:
+    if configured:
+        return configured
+    labels = host.lower().split(".")
+    # obs.<region>.<domain>.<tld>; fewer labels (obs.example.com) name no region.
+    if len(labels) >= 4 and labels[0] == "obs" and not _is_ip(host):
+        return labels[1]
+    return DEFAULT_REGION
+
+
+def uses_path_style(setting: str, host: str) -> bool:
+    if setting in ("on", "off"):
+        return setting == "on"
+    host = host.lower()
+    is_huawei = any(host == domain or host.endswith("." + domain) for domain in HUAWEI_DOMAINS)
+    # Virtual-host style needs DNS for bucket.<host>: Huawei's endpoints have it, IPs and others may not.
+    return _is_ip(host) or not is_huawei
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """True for failures worth retrying: refused/reset connections, DNS, timeouts, broken HTTP streams."""
+    if isinstance(exc, LOCAL_FILE_ERRORS):
+        return False
+    # requests' and socket's errors, TimeoutError and ssl.SSLError are OSErrors; http.client's are not.
+    return isinstance(exc, (OSError, http.client.HTTPException, Urllib3Error))
+
+
+def object_url(bucket: str, key: str) -> str:
+    return f"obs://{bucket}/{key}"
+
+
+def unquote_etag(etag: Optional[str]) -> Optional[str]:
+    return etag.strip().strip('"') if etag else None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _verify_certificates(client: ObsClient) -> None:
+    # The SDK builds its own SSLContext with CERT_REQUIRED but loads no trust store (unless
+    # ssl_verify is a CA file path) and turns hostname checking off: give it both.
+    context = getattr(client, "context", None)
+    if context is not None:
+        context.load_default_certs()
+        context.check_hostname = True
+
+
+def _require_key(bucket: str, key: str) -> None:
+    # putFile with an empty key uploads under the file's own name; initiate would target the bucket.
+    if not key:
+        raise StorageError(f"uploading to obs://{bucket}/: an object key is required")
+
+
+def _local_file_size(path: str, action: str, bucket: str, key: str) -> int:
+    # Checked here: the SDK would walk a directory and upload every file in it.
+    try:
+        stats = os.stat(path)
+    except OSError as exc:
+        raise StorageError(f"{action} {path} to {object_url(bucket, key)}: {_one_line(exc)}") from None
+    if not os.path.isfile(path):
+        raise StorageError(f"{action} {path} to {object_url(bucket, key)}: not a regular file")
+    return stats.st_size
+
+
+def _check_part_bounds(path: str, offset: int, size: int, action: str, bucket: str, key: str) -> None:
+    # The SDK silently "fixes" bad bounds (an offset past the end becomes 0, a size past the end the rest).
+    file_size = _local_file_size(path, action, bucket, key)
+    if offset < 0 or size <= 0 or offset + size > file_size:
+        raise StorageError(f"{action} {object_url(bucket, key)}: bytes {offset}+{size} are outside {path} "
+                           f"({file_size} bytes)")
+
+
+def _pwrite_all(fd: int, data: bytes, position: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view = view[written:]
+        position += written
+
+
+def _one_line(value: object) -> str:
+    return " ".join(str(value).split()) or type(value).__name__

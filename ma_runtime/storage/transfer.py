@@ -1,0 +1,696 @@
+"""The transfer engine: parallel, resumable, verified, atomic downloads and uploads over any ObjectStore.
+
+Downloads run on one bounded pool. Small objects go whole; large ones go as
+ranged parts written with `pwrite` into ONE preallocated hidden file next to
+the final path (`.<name>.ma-partial`), renamed into place when complete, so
+there is no second copy at the end (the OBS SDK's downloadFile copies its .tmp
+file over). Every file is checked (size; MD5 when the ETag is one) before the
+rename, so nothing incomplete or corrupt ever sits at a final path.
+
+State lives in `options.state_dir`, outside the target tree:
+- `<id>.download.json` per large object: the parts already on disk, so a rerun
+  fetches only the missing ones;
+- `<id>.journal` per download: the ETag each finished file came from, so a
+  rerun skips files already there unless the object changed;
+- `<id>.upload.json` per multipart upload: its upload id and finished parts.
+
+Every store call is retried on TransientError for `retry_seconds` (tenacity,
+imported only when a transfer starts: its ~30 ms belong to jobs that transfer).
+"""
+
+import dataclasses
+import errno
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Set, Tuple
+
+from ma_runtime.storage import safety
+from ma_runtime.storage.base import CorruptTransfer, NotFound, ObjectInfo, StorageError, TransientError
+from ma_runtime.storage.progress import MB, Progress
+from ma_runtime.storage.url import Location
+
+MiB = 1 << 20
+PARTIAL_SUFFIX = ".ma-partial"
+HASH_CHUNK = 4 * MiB
+NAME_MAX = 255
+# S3's multipart limits (OBS's are looser): parts of at least 5 MiB but the last, at most 10 000 parts.
+MIN_UPLOAD_PART = 5 * MiB
+MAX_UPLOAD_PARTS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferOptions:
+    workers: int = 16
+    part_size: int = 32 << 20
+    large_threshold: int = 64 << 20
+    retry_seconds: float = 120.0
+    progress_seconds: float = 10.0
+    state_dir: Path = Path(os.environ.get("TMPDIR") or "/tmp") / "ma-runtime-transfers"
+
+    @classmethod
+    def from_spec(cls, spec, state_dir: Path) -> "TransferOptions":
+        return cls(
+            workers=spec.storage_workers,
+            part_size=int(spec.storage_part_mb * MiB),
+            large_threshold=int(spec.storage_large_mb * MiB),
+            retry_seconds=spec.storage_retry_seconds,
+            progress_seconds=spec.storage_progress_seconds,
+            state_dir=Path(state_dir),
+        )
+
+
+@dataclasses.dataclass
+class Summary:
+    files: int  # fetched by this run
+    bytes: int  # moved by this run (a resumed file counts only its missing parts)
+    skipped: int  # already at their final path, unchanged
+    refused: List[str]  # keys that would have been written outside the destination
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One object to fetch and the file it becomes."""
+
+    info: ObjectInfo
+    url: str
+    target: Path
+
+
+# --------------------------------------------------------------------------- retries
+
+
+class _Calls:
+    """Calls into the store, each retried on TransientError; `stop` cuts the retrying short."""
+
+    def __init__(self, options: TransferOptions, log, stop: Optional[threading.Event] = None):
+        import tenacity  # here, not at the top: only a transfer pays for it (start-up budget)
+
+        self._tenacity = tenacity
+        self.seconds = options.retry_seconds
+        self.log = log
+        self.stop = stop or threading.Event()
+
+    def __call__(self, function, *args):
+        t = self._tenacity
+        retrying = t.Retrying(
+            retry=t.retry_if_exception_type(TransientError),
+            wait=t.wait_exponential_jitter(initial=0.2, max=5),
+            stop=t.stop_after_delay(self.seconds) | t.stop_when_event_set(self.stop),
+            sleep=self.stop.wait,  # a wait that ends as soon as the transfer as a whole has failed
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        try:
+            return retrying(function, *args)
+        except TransientError as exc:
+            if self.stop.is_set():
+                raise
+            attempts = retrying.statistics.get("attempt_number", 1)
+            seconds = retrying.statistics.get("delay_since_first_attempt", 0)
+            raise TransientError(f"{exc.reason} (failed {attempts} times in {seconds:.1f} s)", hint=exc.hint) from exc
+
+    def _log_retry(self, state) -> None:
+        self.log.warning(
+            "storage request failed, retrying", error=str(state.outcome.exception()),
+            attempt=state.attempt_number, wait_seconds=round(state.next_action.sleep, 2),
+        )
+
+
+# --------------------------------------------------------------------------- download
+
+
+def download(store, location: Location, dest: Path, options: TransferOptions, log) -> Summary:
+    """Fetches an object to the file `dest`, or every object under a prefix into the folder `dest`."""
+    started = time.monotonic()
+    dest = Path(dest).absolute()
+    calls = _Calls(options, log)
+    try:
+        objects, prefix = _find(store, location, calls)
+        if prefix is None:
+            items, refused = [_Item(objects[0], _object_url(location, objects[0].key), dest)], []
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            items, refused = _plan_tree(objects, prefix, dest, location, log)
+        options.state_dir.mkdir(parents=True, exist_ok=True)
+        journal = _Journal(options.state_dir / f"{_digest(location.text, dest)}.journal")
+        todo = [item for item in items if not _already_there(item, journal)]
+        log.info("download started", url=location.text, dest=str(dest), files=len(todo),
+                 bytes=sum(item.info.size for item in todo), skipped=len(items) - len(todo), refused=len(refused))
+        moved = _Fetcher(store, location.bucket, options, journal, log).run(todo)
+        journal.compact({item.info.key for item in items})
+    except OSError as exc:  # the local side: disk full, permissions, a file where a folder must be
+        raise StorageError(f"{location.text} -> {dest}: {_oserror_text(exc)}") from exc
+    seconds = time.monotonic() - started
+    summary = Summary(len(todo), moved, len(items) - len(todo), refused, round(seconds, 3))
+    log.info("download completed", url=location.text, dest=str(dest), files=summary.files, bytes=moved,
+             skipped=summary.skipped, refused=len(refused), seconds=summary.seconds,
+             rate_mb_s=round(moved / MB / max(seconds, 1e-6), 1))
+    return summary
+
+
+def _find(store, location: Location, calls: _Calls) -> Tuple[List[ObjectInfo], Optional[str]]:
+    """The objects to fetch and the prefix they sit under (None for a single object)."""
+    if not location.is_prefix:
+        try:
+            return [calls(store.head, location.bucket, location.key)], None
+        except NotFound:
+            pass  # perhaps a folder written without its trailing slash
+    prefix = location.key if location.is_prefix else location.key + "/"
+    # A generator cannot be retried half-way, so the listing is retried whole.
+    objects = calls(lambda: list(store.list(location.bucket, prefix)))
+    if not objects:
+        raise NotFound(f"{location.text}: no such object or prefix", hint="check the URL, and that the data is there")
+    return objects, prefix
+
+
+def _plan_tree(objects, prefix: str, dest: Path, location: Location, log) -> Tuple[List[_Item], List[str]]:
+    """Files to fetch under `dest`, and the keys refused; makes the folders (markers and parents)."""
+    dest_real = dest.resolve()
+    files: List[Tuple[ObjectInfo, str]] = []
+    folders: List[str] = []
+    refused: List[str] = []
+    for info in objects:
+        relative = info.key[len(prefix):]
+        is_folder = info.key.endswith("/")
+        if is_folder and not safety.normalized(relative):
+            continue  # the prefix's own marker
+        reason = safety.refusal(dest_real, relative)
+        if reason:
+            _refuse(log, refused, location, info.key, reason)
+        elif is_folder:
+            folders.append(safety.normalized(relative))
+        else:
+            files.append((info, safety.normalized(relative)))
+    items = []
+    for (info, path), reason in zip(files, safety.conflicts([path for _, path in files], folders)):
+        if reason:
+            _refuse(log, refused, location, info.key, reason)
+        else:
+            items.append(_Item(info, _object_url(location, info.key), dest / path))
+    _make_folders(dest, folders, items)
+    return items, refused
+
+
+def _refuse(log, refused: List[str], location: Location, key: str, reason: str) -> None:
+    log.warning("download refused a key", url=location.text, key=key, reason=reason)
+    refused.append(key)
+
+
+def _make_folders(dest: Path, folders: List[str], items: List[_Item]) -> None:
+    needed = {dest} | {dest / folder for folder in folders} | {item.target.parent for item in items}
+    for folder in sorted(needed):  # parents sort before their children
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def _already_there(item: _Item, journal: "_Journal") -> bool:
+    """The right size at the final path, and not written from another version of the object."""
+    try:
+        stats = os.stat(item.target)
+    except OSError:
+        return False
+    if not stat.S_ISREG(stats.st_mode) or stats.st_size != item.info.size:
+        return False
+    known, etag = journal.lookup(item.info.key)
+    return not known or etag == item.info.etag
+
+
+class _Fetcher:
+    """Fetches items on one bounded pool: small ones whole, large ones as ranged parts."""
+
+    def __init__(self, store, bucket: str, options: TransferOptions, journal: "_Journal", log):
+        self.store = store
+        self.bucket = bucket
+        self.options = options
+        self.journal = journal
+        self.log = log
+        self.calls = _Calls(options, log)
+        self.progress: Optional[Progress] = None
+        self.pool = None
+
+    def run(self, items: List[_Item]) -> int:
+        """Returns the bytes moved; raises the first failure once the work in flight has stopped."""
+        if not items:
+            return 0
+        from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+        self.progress = Progress("download", self.log, len(items), sum(i.info.size for i in items),
+                                 self.options.progress_seconds)
+        threshold = self.options.large_threshold
+        large_files = [_LargeFile(self, item) for item in items if item.info.size >= threshold]
+        self.pool = ThreadPoolExecutor(max_workers=self.options.workers, thread_name_prefix="download")
+        self.progress.start()
+        try:
+            # Large files first: their parts are the long pole, small files fill the gaps at the end.
+            outcomes = [large.start() for large in large_files]
+            outcomes += [self.pool.submit(self.fetch_small, item) for item in items if item.info.size < threshold]
+            done, _ = wait(outcomes, return_when=FIRST_EXCEPTION)
+            for outcome in done:
+                if outcome.exception() is not None:
+                    raise outcome.exception()
+        finally:
+            self.calls.stop.set()  # on failure: end the retries still sleeping in other workers
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            for large in large_files:
+                large.close()
+            self.progress.stop()
+        return self.progress.bytes_done
+
+    def fetch_small(self, item: _Item) -> None:
+        partial = _partial_path(item.target)
+        problem = ""
+        for attempt in (1, 2):
+            try:
+                fd = _open_fresh(partial)
+                try:
+                    written = self.calls(self._read_whole, item, fd)
+                    self.progress.add(written)
+                    problem = _problem(fd, item.info, written)
+                finally:
+                    os.close(fd)
+                if not problem:
+                    os.replace(partial, item.target)
+                    self.finished(item)
+                    return
+            finally:
+                _remove(partial)  # a no-op once renamed into place
+            if attempt == 1:
+                self._log_retry(item, problem)
+        raise CorruptTransfer(f"{item.url}: {problem} after retry", hint=_CORRUPT_HINT)
+
+    def _read_whole(self, item: _Item, fd: int) -> int:
+        if item.info.size == 0:
+            return 0  # a zero-length range cannot be asked for
+        return self.store.read_range(self.bucket, item.info.key, 0, item.info.size, fd, 0)
+
+    def finished(self, item: _Item) -> None:
+        self.journal.add(item.info.key, item.info.etag)
+        self.progress.add(files=1)
+
+    def _log_retry(self, item: _Item, problem: str) -> None:
+        self.log.warning("download verification failed, fetching again", url=item.url, problem=problem)
+        self.progress.adjust_total(item.info.size)
+
+
+_CORRUPT_HINT = "the bytes received differ from the object twice: check the network path (proxy) and the object"
+
+
+class _LargeFile:
+    """One large object fetched as ranged parts into a preallocated partial file, resumable by its record."""
+
+    def __init__(self, fetcher: _Fetcher, item: _Item):
+        from concurrent.futures import Future
+
+        self.fetcher = fetcher
+        self.item = item
+        self.part_size = fetcher.options.part_size
+        self.parts = -(-item.info.size // self.part_size)
+        self.partial = _partial_path(item.target)
+        self.record_path = fetcher.options.state_dir / f"{_digest(item.url, item.target)}.download.json"
+        self.outcome = Future()
+        self.lock = threading.Lock()
+        self.fd: Optional[int] = None
+        self.done: Set[int] = set()
+        self.retried = False
+
+    def start(self):
+        """Submits the missing parts; returns a Future that settles when the file is in place (or failed)."""
+        if not self._resume():
+            self._begin()
+        self.fetcher.progress.adjust_total(-sum(self._length(index) for index in self.done))
+        self._submit_missing()
+        return self.outcome
+
+    def close(self) -> None:
+        with self.lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+    def _record_identity(self) -> Dict[str, object]:
+        info = self.item.info
+        return {"url": self.item.url, "size": info.size, "etag": info.etag, "part_size": self.part_size}
+
+    def _resume(self) -> bool:
+        record = _read_json(self.record_path)
+        if not record or any(record.get(k) != v for k, v in self._record_identity().items()):
+            return False  # none, or the object (size/etag) or the part size changed: start over
+        try:
+            fd = os.open(self.partial, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        stats = os.fstat(fd)
+        if not stat.S_ISREG(stats.st_mode) or stats.st_size != self.item.info.size:
+            os.close(fd)
+            return False
+        self.fd = fd
+        self.done = {index for index in record.get("done", []) if isinstance(index, int) and 0 <= index < self.parts}
+        self.fetcher.log.info("download resumed", url=self.item.url, parts_done=len(self.done), parts=self.parts)
+        return True
+
+    def _begin(self) -> None:
+        _remove(self.record_path)  # first, so a crash now cannot pair an old record with a new file
+        self.fd = _open_fresh(self.partial)
+        _preallocate(self.fd, self.item.info.size)
+        self.done = set()
+
+    def _submit_missing(self) -> None:
+        missing = [index for index in range(self.parts) if index not in self.done]
+        if not missing:
+            self.fetcher.pool.submit(self._guarded, self._finish)
+        for index in missing:
+            self.fetcher.pool.submit(self._guarded, self._fetch_part, index)
+
+    def _guarded(self, function, *args) -> None:
+        try:
+            function(*args)
+        except BaseException as exc:  # noqa: B036 - it must reach the waiting thread, whatever it is
+            self._settle(exc)
+
+    def _settle(self, error: Optional[BaseException] = None) -> None:
+        with self.lock:
+            if self.outcome.done():
+                return
+            if error is None:
+                self.outcome.set_result(None)
+            else:
+                self.outcome.set_exception(error)
+
+    def _length(self, index: int) -> int:
+        return min(self.part_size, self.item.info.size - index * self.part_size)
+
+    def _fetch_part(self, index: int) -> None:
+        if self.fetcher.calls.stop.is_set() or self.outcome.done():
+            return
+        self.fetcher.calls(self._read_part, index)
+        self.fetcher.progress.add(self._length(index))
+        with self.lock:
+            self.done.add(index)
+            _write_json(self.record_path, {**self._record_identity(), "done": sorted(self.done)})
+            complete = len(self.done) == self.parts
+        if complete:
+            self._finish()
+
+    def _read_part(self, index: int) -> None:
+        start, length = index * self.part_size, self._length(index)
+        written = self.fetcher.store.read_range(self.fetcher.bucket, self.item.info.key, start, length, self.fd, start)
+        if written != length:
+            raise TransientError(f"{self.item.url}: {written} of {length} bytes at offset {start}")
+
+    def _finish(self) -> None:
+        problem = _problem(self.fd, self.item.info)
+        self.close()
+        if not problem:
+            os.replace(self.partial, self.item.target)
+            _remove(self.record_path)
+            self.fetcher.finished(self.item)
+            self._settle()
+            return
+        # Corrupt bytes are not resumable: drop the partial file and its record either way.
+        _remove(self.record_path)
+        _remove(self.partial)
+        if self.retried:
+            raise CorruptTransfer(f"{self.item.url}: {problem} after retry", hint=_CORRUPT_HINT)
+        self.retried = True
+        self.fetcher._log_retry(self.item, problem)
+        self._begin()
+        self._submit_missing()
+
+
+# --------------------------------------------------------------------------- upload
+
+
+def upload_file(store, path: Path, location: Location, options: TransferOptions, log) -> ObjectInfo:
+    """Uploads one file: a single PUT below `large_threshold`, else a resumable multipart upload."""
+    started = time.monotonic()
+    path = Path(path).absolute()
+    key = location.key + path.name if location.is_prefix else location.key
+    url = _object_url(location, key)
+    try:
+        stats = path.stat()
+        calls = _Calls(options, log)
+        if stats.st_size < options.large_threshold:
+            info = calls(store.put_file, location.bucket, key, str(path))
+        else:
+            info = _Multipart(store, location.bucket, key, url, path, stats, options, log).run()
+    except OSError as exc:
+        raise StorageError(f"{path} -> {url}: {_oserror_text(exc)}") from exc
+    seconds = time.monotonic() - started
+    log.info("upload completed", url=url, path=str(path), bytes=stats.st_size, seconds=round(seconds, 3),
+             rate_mb_s=round(stats.st_size / MB / max(seconds, 1e-6), 1))
+    return info
+
+
+class _Multipart:
+    """A multipart upload whose record (upload id, finished parts) lets a rerun continue it."""
+
+    def __init__(self, store, bucket: str, key: str, url: str, path: Path, stats: os.stat_result,
+                 options: TransferOptions, log):
+        self.store, self.bucket, self.key, self.url, self.path = store, bucket, key, url, path
+        self.size = stats.st_size
+        self.options = options
+        self.log = log
+        self.calls = _Calls(options, log)
+        self.part_size = _upload_part_size(options.part_size, self.size)
+        self.parts = -(-self.size // self.part_size)
+        self.record_path = options.state_dir / f"{_digest(url, path)}.upload.json"
+        # The file's size and mtime: a changed file must not be finished from parts of the old one.
+        self.identity = {"url": url, "path": str(path), "size": self.size, "mtime_ns": stats.st_mtime_ns,
+                         "part_size": self.part_size}
+        self.upload_id = ""
+        self.etags: Dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def run(self) -> ObjectInfo:
+        self.options.state_dir.mkdir(parents=True, exist_ok=True)
+        if self._resume():
+            try:
+                return self._complete()
+            except NotFound:
+                # The recorded upload is gone (aborted, or expired on the server): start over, once.
+                self.log.warning("upload could not be resumed, starting over", url=self.url)
+        self.upload_id = self.calls(self.store.create_multipart, self.bucket, self.key)
+        self.etags = {}
+        self._save()
+        return self._complete()
+
+    def _resume(self) -> bool:
+        record = _read_json(self.record_path)
+        if not record or any(record.get(k) != v for k, v in self.identity.items()) or not record.get("upload_id"):
+            return False
+        self.upload_id = record["upload_id"]
+        self.etags = {int(number): etag for number, etag in record.get("parts", {}).items()}
+        self.log.info("upload resumed", url=self.url, parts_done=len(self.etags), parts=self.parts)
+        return True
+
+    def _save(self) -> None:
+        parts = {str(number): etag for number, etag in sorted(self.etags.items())}
+        _write_json(self.record_path, {**self.identity, "upload_id": self.upload_id, "parts": parts})
+
+    def _complete(self) -> ObjectInfo:
+        try:
+            self._send_missing()
+            info = self.calls(self.store.complete_multipart, self.bucket, self.key, self.upload_id,
+                              sorted(self.etags.items()))
+        except TransientError:
+            raise  # the record stays: a rerun continues this upload
+        except StorageError:
+            self._abort()
+            raise
+        _remove(self.record_path)
+        return info
+
+    def _send_missing(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        missing = [number for number in range(1, self.parts + 1) if number not in self.etags]
+        if not missing:
+            return
+        calls = _Calls(self.options, self.log)
+        progress = Progress("upload", self.log, 1, sum(self._length(n) for n in missing),
+                            self.options.progress_seconds)
+        pool = ThreadPoolExecutor(max_workers=min(self.options.workers, len(missing)), thread_name_prefix="upload")
+        progress.start()
+        try:
+            for outcome in as_completed([pool.submit(self._send_part, calls, progress, n) for n in missing]):
+                outcome.result()
+        finally:
+            calls.stop.set()  # on failure: end the retries still sleeping in other workers
+            pool.shutdown(wait=True, cancel_futures=True)
+            progress.stop()
+
+    def _length(self, number: int) -> int:
+        return min(self.part_size, self.size - (number - 1) * self.part_size)
+
+    def _send_part(self, calls: _Calls, progress: Progress, number: int) -> None:
+        if calls.stop.is_set():
+            return
+        offset = (number - 1) * self.part_size
+        etag = calls(self.store.upload_part, self.bucket, self.key, self.upload_id, number, str(self.path), offset,
+                     self._length(number))
+        progress.add(self._length(number))
+        with self.lock:
+            self.etags[number] = etag
+            self._save()
+
+    def _abort(self) -> None:
+        try:
+            self.calls(self.store.abort_multipart, self.bucket, self.key, self.upload_id)
+        except StorageError as exc:  # the failure being reported matters more than the leftover parts
+            self.log.warning("upload abort failed", url=self.url, error=str(exc))
+        _remove(self.record_path)
+
+
+def _upload_part_size(wanted: int, size: int) -> int:
+    """At least S3's minimum, and big enough that the file fits in the most parts allowed (whole MiB)."""
+    fitting = -(-size // MAX_UPLOAD_PARTS)
+    return max(wanted, MIN_UPLOAD_PART, -(-fitting // MiB) * MiB)
+
+
+# --------------------------------------------------------------------------- files and records
+
+
+class _Journal:
+    """The ETag each file of one download was written from, as JSON lines appended as files land.
+
+    Appending costs one short write per file, and a crash loses at most the line in flight (a
+    torn last line is skipped on reading). A store without ETags (local) writes no journal.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.etags = self._read()
+
+    def _read(self) -> Dict[str, Optional[str]]:
+        etags: Dict[str, Optional[str]] = {}
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            return etags
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                etags[entry["key"]] = entry["etag"]
+            except (ValueError, KeyError, TypeError):
+                continue
+        return etags
+
+    def lookup(self, key: str) -> Tuple[bool, Optional[str]]:
+        return key in self.etags, self.etags.get(key)
+
+    def add(self, key: str, etag: Optional[str]) -> None:
+        if etag is None:
+            return
+        line = json.dumps({"key": key, "etag": etag}, ensure_ascii=False) + "\n"
+        with self.lock, open(self.path, "a", encoding="utf-8") as journal:
+            self.etags[key] = etag
+            journal.write(line)
+
+    def compact(self, keys: Set[str]) -> None:
+        """Rewrites the journal with only the keys still listed, so reruns do not grow it."""
+        with self.lock:
+            kept = {key: etag for key, etag in self.etags.items() if key in keys}
+            if not kept:
+                _remove(self.path)
+                return
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps({"key": k, "etag": e}, ensure_ascii=False) + "\n"
+                                   for k, e in kept.items()), encoding="utf-8")
+            os.replace(tmp, self.path)
+
+
+def _object_url(location: Location, key: str) -> str:
+    if not location.remote:
+        return key
+    scheme = location.text.split("://", 1)[0].lower()
+    return f"{scheme}://{location.bucket}/{key}"
+
+
+def _digest(*parts) -> str:
+    import hashlib
+
+    return hashlib.sha256("\0".join(str(part) for part in parts).encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+def _partial_path(target: Path) -> Path:
+    """Hidden, next to the target (same filesystem, so the final rename is atomic)."""
+    name = f".{target.name}{PARTIAL_SUFFIX}"
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        name = f".{_digest(target.name)}{PARTIAL_SUFFIX}"
+    return target.with_name(name)
+
+
+def _open_fresh(path: Path) -> int:
+    # O_EXCL | O_NOFOLLOW: never write through a symlink someone left at the partial name.
+    _remove(path)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserves the space up front, so a full disk fails now and not after most of the download."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except AttributeError:  # no posix_fallocate on this platform
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)  # a filesystem without fallocate: a sparse file does
+
+
+def _problem(fd: int, info: ObjectInfo, written: Optional[int] = None) -> str:
+    """What is wrong with a finished partial file ("" when nothing): its size, then its MD5 if known."""
+    size = os.fstat(fd).st_size
+    if size != info.size or (written is not None and written != info.size):
+        return f"size mismatch ({size if written is None else written} bytes, expected {info.size})"
+    if info.md5:
+        digest = _md5(fd, size)
+        if digest != info.md5:
+            return f"checksum mismatch (md5 {digest}, expected {info.md5})"
+    return ""
+
+
+def _md5(fd: int, size: int) -> str:
+    import hashlib
+
+    digest = hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd, min(HASH_CHUNK, size - offset), offset)
+        if not chunk:
+            break
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # none yet, or torn: either way there is nothing to resume
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomic (temp file, then rename): a crash leaves the old record or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _oserror_text(exc: OSError) -> str:
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"

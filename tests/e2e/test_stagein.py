@@ -1,0 +1,141 @@
+"""Stage-in end to end: `ma-run --config job.yaml python train.py` finds its code, data and checkpoint."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import log_dir, run_ma
+
+TRAIN = textwrap.dedent(
+    """
+    import argparse, os, sys
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data_url"); parser.add_argument("--train_url"); parser.add_argument("--lr")
+    args = parser.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    assert os.path.isfile(os.path.join(here, "pkg", "util.py")), "nested code missing"
+    images = sorted(os.listdir(os.path.join(args.data_url, "images")))
+    labels = open(os.environ["labels"]).read().split()
+    checkpoint = open(os.path.join(args.train_url, "ckpt", "last.txt")).read()
+    print(f"OK images={len(images)} labels={len(labels)} ckpt={checkpoint} lr={args.lr} data={args.data_url}")
+    """
+)
+
+
+def seed_tree(put):
+    """The job's objects, written through `put(key, bytes)`: code, a dataset, labels, a checkpoint."""
+    put("jobs/demo-code/train.py", TRAIN.encode())
+    put("jobs/demo-code/pkg/util.py", b"X = 1\n")
+    for i in range(20):
+        put(f"datasets/mnist/images/{i:03d}.bin", bytes([i]) * 100)
+    put("datasets/labels.txt", b"0 1 2 3 4 5 6 7 8 9\n")
+    put("runs/run-1/output/ckpt/last.txt", b"epoch-7")
+
+
+def job_file(tmp_path, base, predownload=True):
+    job = {
+        "code": {"url": f"{base}/jobs/demo-code"},
+        "inputs": [
+            {"name": "data_url", "url": f"{base}/datasets/mnist/"},
+            {"name": "labels", "url": f"{base}/datasets/labels.txt", "mode": "env"},
+        ],
+        "outputs": [{"name": "train_url", "url": f"{base}/runs/run-1/output/", "predownload": predownload}],
+        "hyperparameters": {"lr": 0.1},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job))
+    return str(path)
+
+
+COMMAND = [sys.executable + " $MA_JOB_DIR/demo-code/train.py"]
+
+
+def assert_staged(result, env):
+    assert result.returncode == 0, result.stderr
+    assert "OK images=20 labels=10 ckpt=epoch-7 lr=0.1" in result.stdout
+    assert "modelarts/inputs/data_url_0" in result.stdout
+    for event in ("code download completed", "input (data_url) download completed",
+                  "output (train_url) predownload completed"):
+        assert f'msg="{event}"' in result.stderr and "elapsed_s=" in result.stderr
+
+
+def test_local_paths_stage_like_the_platform(tmp_path, job_env):
+    source = tmp_path / "bucket"
+
+    def put(key, data):
+        (source / key).parent.mkdir(parents=True, exist_ok=True)
+        (source / key).write_bytes(data)
+
+    seed_tree(put)
+    result = run_ma(["--config", job_file(tmp_path, str(source)), *COMMAND], job_env)
+    assert_staged(result, job_env)
+
+
+@pytest.mark.parametrize("scheme", ["obs", "s3"])
+def test_obs_endpoint_stages_with_the_real_sdk(tmp_path, job_env, obs_endpoint, scheme):
+    pytest.importorskip("ma_runtime.storage.obs")
+    bucket = obs_endpoint.new_bucket()
+    seed_tree(lambda key, data: obs_endpoint.put(bucket, key, data))
+    job_env.update(obs_endpoint.env("v4"))
+    result = run_ma(["--config", job_file(tmp_path, f"{scheme}://{bucket}"), *COMMAND], job_env, timeout=120)
+    assert_staged(result, job_env)
+    assert "testsk-secret-value" not in result.stderr
+
+
+def test_a_restart_in_the_same_pod_does_not_fetch_again(tmp_path, job_env):
+    source = tmp_path / "bucket"
+
+    def put(key, data):
+        (source / key).parent.mkdir(parents=True, exist_ok=True)
+        (source / key).write_bytes(data)
+
+    seed_tree(put)
+    job = job_file(tmp_path, str(source))
+    assert run_ma(["--config", job, *COMMAND], job_env).returncode == 0
+    job_env["MA_PROC_START_CNT"] = "2"
+    again = run_ma(["--config", job, *COMMAND], job_env)
+    assert again.returncode == 0 and "OK images=20" in again.stdout
+    assert "code download already staged; not fetched again" in again.stderr
+
+
+def test_missing_url_stops_with_storage_failed_naming_it(tmp_path, job_env):
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"inputs": [{"name": "data_url", "url": str(tmp_path / "nothing-here/")}]}))
+    result = run_ma(["--config", str(job), "true"], job_env)
+    assert result.returncode == 80 and "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if "error,exiting" in line]
+    assert len(error) == 1 and "nothing-here" in error[0]
+    message = json.loads((log_dir(job_env) / "modelarts-job-local-worker-0-termination.json").read_text())
+    assert message["stage"] == "stage-in" and message["exit_code"] == 80 and "nothing-here" in message["reason"]
+
+
+def test_unreachable_endpoint_fails_within_the_retry_budget(tmp_path, job_env):
+    pytest.importorskip("ma_runtime.storage.obs")
+    job_env.update(MA_S3_ENDPOINT="http://127.0.0.1:9", OBS_ACCESS_KEY_ID="ak", OBS_SECRET_ACCESS_KEY="sk-secret",
+                   MA_RUNTIME_STORAGE_RETRY_SECONDS="1")
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"code": {"url": "obs://bucket/code/"}}))
+    result = run_ma(["--config", str(job), "true"], job_env, timeout=60)
+    assert result.returncode == 80 and "obs://bucket/code/" in result.stderr
+    assert "sk-secret" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "job, expected",
+    [
+        ({"code": {"url": "ftp://host/code"}}, "unsupported scheme 'ftp'"),
+        ({"code": {"url": "obs:///no-bucket"}}, "has no bucket"),
+        ({"inputs": [{"name": "data url", "url": "/x"}]}, "inputs[0]': name 'data url'"),
+        ({"inputs": [{"name": "d", "url": "/x", "mode": "magic"}]}, "mode must be argument or env"),
+        ({"outputs": [{"name": "o", "url": "/x", "predownload": "yes"}]}, "predownload must be true or false"),
+        ({"inputs": {"name": "d"}}, "'inputs' must be a list"),
+    ],
+)
+def test_bad_urls_and_channels_are_bad_configuration(tmp_path, job_env, job, expected):
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job))
+    result = run_ma(["--config", str(path), "true"], job_env)
+    assert result.returncode == 78 and expected in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
