@@ -23,6 +23,8 @@ class LocalStore:
         root = Path(prefix)
         if not root.is_dir():
             return
+        # The directory's own marker: an existing empty directory is an empty prefix, not a missing one.
+        yield ObjectInfo(str(root).rstrip("/") + "/", 0)
         for directory, subdirs, files in os.walk(root):
             subdirs.sort()
             if not files and not subdirs and Path(directory) != root:

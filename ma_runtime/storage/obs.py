@@ -222,9 +222,10 @@ class ObsStore:
         return StorageError(self._masked(f"{where}: {answer}"))
 
     def _body_of(self, resp: Any, action: str, bucket: str, key: str) -> Any:
-        # The SDK logs and swallows a parse error of a 2xx answer, leaving the body None.
+        # The SDK logs and swallows a parse error of a 2xx answer, leaving the body None. That is
+        # what a body cut short in transit looks like, so it is worth another try.
         if resp.body is None:
-            raise StorageError(f"{action} {object_url(bucket, key)}: unreadable answer (HTTP {resp.status})")
+            raise TransientError(f"{action} {object_url(bucket, key)}: unreadable answer (HTTP {resp.status})")
         return resp.body
 
     @staticmethod

@@ -16,9 +16,11 @@ BAR_REDRAW_SECONDS = 0.5
 
 
 class Progress:
-    def __init__(self, what: str, log, files_total: int, bytes_total: int, interval: float, stream=None):
+    def __init__(self, what: str, log, files_total: int, bytes_total: int, interval: float, stream=None,
+                 **context: Any):
         self.what = what
         self.log = log
+        self.context = context  # fields every line carries, e.g. the URL
         self.files_total = files_total
         self.bytes_total = bytes_total
         self.files_done = 0
@@ -68,12 +70,12 @@ class Progress:
         self._clear_bar()
 
     def _report(self) -> None:
-        tick = BAR_REDRAW_SECONDS if self._bar else self.interval
+        tick = min(t for t in (self.interval, BAR_REDRAW_SECONDS if self._bar else 0) if t > 0)
         next_line = time.monotonic() + self.interval if self.interval > 0 else float("inf")
         while not self._stopped.wait(tick):
             if time.monotonic() >= next_line:
                 self._clear_bar()
-                self.log.info(f"{self.what} progress", **self.fields())
+                self.log.info(f"{self.what} progress", **self.context, **self.fields())
                 next_line += self.interval
             if self._bar:
                 self._draw_bar()

@@ -28,7 +28,7 @@ def refusal(dest_real: Path, relative: str) -> Optional[str]:
     # so a planted link (to a folder or a file) shows as a path outside the destination.
     try:
         resolved = (dest_real / path).resolve()
-    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
+    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: a symlink loop (< 3.13); ValueError: NUL
         return f"cannot be resolved ({exc})"
     if resolved != dest_real and dest_real not in resolved.parents:
         return f"resolves outside the destination (to {resolved}) through a symlink"

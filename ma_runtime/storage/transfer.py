@@ -91,6 +91,10 @@ class _Calls:
         import tenacity  # here, not at the top: only a transfer pays for it (start-up budget)
 
         self._tenacity = tenacity
+        try:
+            self._wait = tenacity.wait_exponential_jitter(multiplier=0.2, max=5)
+        except TypeError:  # tenacity < 9.2 calls it `initial` (a name 9.2 deprecates)
+            self._wait = tenacity.wait_exponential_jitter(initial=0.2, max=5)
         self.seconds = options.retry_seconds
         self.log = log
         self.stop = stop or threading.Event()
@@ -99,7 +103,7 @@ class _Calls:
         t = self._tenacity
         retrying = t.Retrying(
             retry=t.retry_if_exception_type(TransientError),
-            wait=t.wait_exponential_jitter(initial=0.2, max=5),
+            wait=self._wait,
             stop=t.stop_after_delay(self.seconds) | t.stop_when_event_set(self.stop),
             sleep=self.stop.wait,  # a wait that ends as soon as the transfer as a whole has failed
             before_sleep=self._log_retry,
@@ -141,7 +145,7 @@ def download(store, location: Location, dest: Path, options: TransferOptions, lo
         todo = [item for item in items if not _already_there(item, journal)]
         log.info("download started", url=location.text, dest=str(dest), files=len(todo),
                  bytes=sum(item.info.size for item in todo), skipped=len(items) - len(todo), refused=len(refused))
-        moved = _Fetcher(store, location.bucket, options, journal, log).run(todo)
+        moved = _Fetcher(store, location, options, journal, log).run(todo)
         journal.compact({item.info.key for item in items})
     except OSError as exc:  # the local side: disk full, permissions, a file where a folder must be
         raise StorageError(f"{location.text} -> {dest}: {_oserror_text(exc)}") from exc
@@ -222,9 +226,10 @@ def _already_there(item: _Item, journal: "_Journal") -> bool:
 class _Fetcher:
     """Fetches items on one bounded pool: small ones whole, large ones as ranged parts."""
 
-    def __init__(self, store, bucket: str, options: TransferOptions, journal: "_Journal", log):
+    def __init__(self, store, location: Location, options: TransferOptions, journal: "_Journal", log):
         self.store = store
-        self.bucket = bucket
+        self.location = location
+        self.bucket = location.bucket
         self.options = options
         self.journal = journal
         self.log = log
@@ -239,7 +244,7 @@ class _Fetcher:
         from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
         self.progress = Progress("download", self.log, len(items), sum(i.info.size for i in items),
-                                 self.options.progress_seconds)
+                                 self.options.progress_seconds, url=self.location.text)
         threshold = self.options.large_threshold
         large_files = [_LargeFile(self, item) for item in items if item.info.size >= threshold]
         self.pool = ThreadPoolExecutor(max_workers=self.options.workers, thread_name_prefix="download")
@@ -247,7 +252,7 @@ class _Fetcher:
         try:
             # Large files first: their parts are the long pole, small files fill the gaps at the end.
             outcomes = [large.start() for large in large_files]
-            outcomes += [self.pool.submit(self.fetch_small, item) for item in items if item.info.size < threshold]
+            outcomes += [self.pool.submit(self._fetch_small, item) for item in items if item.info.size < threshold]
             done, _ = wait(outcomes, return_when=FIRST_EXCEPTION)
             for outcome in done:
                 if outcome.exception() is not None:
@@ -260,9 +265,9 @@ class _Fetcher:
             self.progress.stop()
         return self.progress.bytes_done
 
-    def fetch_small(self, item: _Item) -> None:
+    def _fetch_small(self, item: _Item) -> None:
         partial = _partial_path(item.target)
-        problem = ""
+        problem: Optional[Tuple[str, str]] = None
         for attempt in (1, 2):
             try:
                 fd = _open_fresh(partial)
@@ -272,15 +277,15 @@ class _Fetcher:
                     problem = _problem(fd, item.info, written)
                 finally:
                     os.close(fd)
-                if not problem:
+                if problem is None:
                     os.replace(partial, item.target)
                     self.finished(item)
                     return
             finally:
                 _remove(partial)  # a no-op once renamed into place
             if attempt == 1:
-                self._log_retry(item, problem)
-        raise CorruptTransfer(f"{item.url}: {problem} after retry", hint=_CORRUPT_HINT)
+                self.log_refetch(item, problem)
+        raise _corrupt(item, problem)
 
     def _read_whole(self, item: _Item, fd: int) -> int:
         if item.info.size == 0:
@@ -291,12 +296,16 @@ class _Fetcher:
         self.journal.add(item.info.key, item.info.etag)
         self.progress.add(files=1)
 
-    def _log_retry(self, item: _Item, problem: str) -> None:
-        self.log.warning("download verification failed, fetching again", url=item.url, problem=problem)
+    def log_refetch(self, item: _Item, problem: Tuple[str, str]) -> None:
+        self.log.warning("download verification failed, fetching again", url=item.url, problem=problem[0],
+                         detail=problem[1])
         self.progress.adjust_total(item.info.size)
 
 
-_CORRUPT_HINT = "the bytes received differ from the object twice: check the network path (proxy) and the object"
+def _corrupt(item: _Item, problem: Tuple[str, str]) -> CorruptTransfer:
+    return CorruptTransfer(f"{item.url}: {problem[0]} after retry ({problem[1]})",
+                           hint="the bytes received differed from the object twice: check the network path "
+                                "(proxies) and the object")
 
 
 class _LargeFile:
@@ -404,7 +413,7 @@ class _LargeFile:
     def _finish(self) -> None:
         problem = _problem(self.fd, self.item.info)
         self.close()
-        if not problem:
+        if problem is None:
             os.replace(self.partial, self.item.target)
             _remove(self.record_path)
             self.fetcher.finished(self.item)
@@ -414,9 +423,9 @@ class _LargeFile:
         _remove(self.record_path)
         _remove(self.partial)
         if self.retried:
-            raise CorruptTransfer(f"{self.item.url}: {problem} after retry", hint=_CORRUPT_HINT)
+            raise _corrupt(self.item, problem)
         self.retried = True
-        self.fetcher._log_retry(self.item, problem)
+        self.fetcher.log_refetch(self.item, problem)
         self._begin()
         self._submit_missing()
 
@@ -480,9 +489,12 @@ class _Multipart:
 
     def _resume(self) -> bool:
         record = _read_json(self.record_path)
-        if not record or any(record.get(k) != v for k, v in self.identity.items()) or not record.get("upload_id"):
+        if not record or not record.get("upload_id"):
             return False
         self.upload_id = record["upload_id"]
+        if any(record.get(k) != v for k, v in self.identity.items()):
+            self._abort()  # the file (or part size) changed: the old upload's parts can never be used
+            return False
         self.etags = {int(number): etag for number, etag in record.get("parts", {}).items()}
         self.log.info("upload resumed", url=self.url, parts_done=len(self.etags), parts=self.parts)
         return True
@@ -512,7 +524,7 @@ class _Multipart:
             return
         calls = _Calls(self.options, self.log)
         progress = Progress("upload", self.log, 1, sum(self._length(n) for n in missing),
-                            self.options.progress_seconds)
+                            self.options.progress_seconds, url=self.url)
         pool = ThreadPoolExecutor(max_workers=min(self.options.workers, len(missing)), thread_name_prefix="upload")
         progress.start()
         try:
@@ -538,6 +550,7 @@ class _Multipart:
             self._save()
 
     def _abort(self) -> None:
+        """Best effort: the server drops the parts; the record goes either way."""
         try:
             self.calls(self.store.abort_multipart, self.bucket, self.key, self.upload_id)
         except StorageError as exc:  # the failure being reported matters more than the leftover parts
@@ -643,16 +656,16 @@ def _preallocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)  # a filesystem without fallocate: a sparse file does
 
 
-def _problem(fd: int, info: ObjectInfo, written: Optional[int] = None) -> str:
-    """What is wrong with a finished partial file ("" when nothing): its size, then its MD5 if known."""
+def _problem(fd: int, info: ObjectInfo, written: Optional[int] = None) -> Optional[Tuple[str, str]]:
+    """(what, detail) wrong with a finished partial file, or None: its size, then its MD5 when known."""
     size = os.fstat(fd).st_size
     if size != info.size or (written is not None and written != info.size):
-        return f"size mismatch ({size if written is None else written} bytes, expected {info.size})"
+        return "size mismatch", f"{size if written is None else written} bytes, expected {info.size}"
     if info.md5:
         digest = _md5(fd, size)
         if digest != info.md5:
-            return f"checksum mismatch (md5 {digest}, expected {info.md5})"
-    return ""
+            return "checksum mismatch", f"md5 {digest}, expected {info.md5}"
+    return None
 
 
 def _md5(fd: int, size: int) -> str:

@@ -36,7 +36,8 @@ def fork(child):
     return pid
 
 
-def wait_for(directory, names, timeout=10.0):
+def wait_for(directory, names, timeout=30.0):
+    # Generous: CI machines are shared and a loaded 2-core box can stall a process for seconds.
     deadline = time.monotonic() + timeout
     while not all(os.path.exists(os.path.join(directory, n)) for n in names):
         if time.monotonic() > deadline:
@@ -148,8 +149,8 @@ def leave_behind(directory):
 def orphan_parent(directory):
     """A grandchild whose parent exits reports who adopted it."""
     def middle():
+        parent = os.getpid()  # taken before the fork: the grandchild may start after we are gone
         if os.fork() == 0:
-            parent = os.getppid()
             while os.getppid() == parent:
                 time.sleep(0.01)
             mark(directory, "adopted-by", str(os.getppid()))

@@ -67,6 +67,15 @@ class Run:
         except subprocess.TimeoutExpired:
             return None
 
+    def finished_with(self, code, timeout):
+        """True when the run ended with `code`; otherwise fails showing what it printed."""
+        returncode = self.wait(timeout)
+        if returncode != code:
+            self.cleanup()
+            output = self.proc.stderr.read().decode(errors="replace")[-3000:]
+            raise AssertionError(f"exit {returncode}, expected {code}; stderr:\n{output}")
+        return True
+
     def marker(self, name):
         return (self.dir / name).exists()
 
@@ -102,7 +111,7 @@ def start(tmp_path, job_env):
 @needs_pid_namespace
 def test_reaps_orphaned_grandchildren(init, start):
     run = start(init, "orphans", extra=("3",))
-    assert run.wait(20) == 0, run.proc.stderr.read()
+    assert run.finished_with(0, 40)
     assert (run.dir / "zombies").read_text() == ""
 
 
@@ -132,7 +141,7 @@ def test_sigterm_reaches_the_whole_group(request, init, start):
     lacks(request, init, tini="tini forwards to its child only, unless run with -g")
     run = start(init, "group-term", extra=("2",)).ready()
     run.signal(signal.SIGTERM)
-    assert run.wait(15) == 143
+    assert run.finished_with(143, 40)
     assert run.marker("parent") and run.marker("child-0") and run.marker("child-1")
 
 
@@ -171,7 +180,7 @@ def test_leftover_processes_get_sigterm_before_exit(request, init, start):
         # before the kernel's SIGKILL is a race.
         request.applymarker(pytest.mark.xfail(strict=False, reason="dumb-init does not wait for the group"))
     run = start(init, "leave-behind")
-    assert run.wait(15) == 0
+    assert run.finished_with(0, 40)
     assert run.marker("cleaned"), "the child left behind was killed without a SIGTERM"
 
 
@@ -183,7 +192,7 @@ def test_orphans_come_to_the_runtime_when_not_pid1(request, init, start):
         dumb_init="dumb-init never becomes a subreaper",
     )
     run = start(init, "orphan-parent", namespace=False)
-    assert run.wait(15) == 0
+    assert run.finished_with(0, 40)
     assert int(wait_for_file(run.dir / "adopted-by").read_text()) == run.init_pid
 
 
