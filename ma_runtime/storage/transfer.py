@@ -36,6 +36,8 @@ from ma_runtime.storage.url import Location
 MiB = 1 << 20
 PARTIAL_SUFFIX = ".ma-partial"
 HASH_CHUNK = 4 * MiB
+# Parts shrink towards this to keep every worker busy on a mid-sized object, never below it.
+MIN_PART = 8 * MiB
 NAME_MAX = 255
 # S3's multipart limits (OBS's are looser): parts of at least 5 MiB but the last, at most 10 000 parts.
 MIN_UPLOAD_PART = 5 * MiB
@@ -316,8 +318,9 @@ class _LargeFile:
 
         self.fetcher = fetcher
         self.item = item
-        self.part_size = fetcher.options.part_size
+        self.part_size = _part_size(fetcher.options, item.info.size)
         self.parts = -(-item.info.size // self.part_size)
+        self.hasher: Optional[_InOrderHash] = None
         self.partial = _partial_path(item.target)
         self.record_path = fetcher.options.state_dir / f"{_digest(item.url, item.target)}.download.json"
         self.outcome = Future()
@@ -331,10 +334,22 @@ class _LargeFile:
         if not self._resume():
             self._begin()
         self.fetcher.progress.adjust_total(-sum(self._length(index) for index in self.done))
+        self._start_hasher()
         self._submit_missing()
         return self.outcome
 
+    def _start_hasher(self) -> None:
+        """MD5 in part order while later parts download: no serial pass over the file at the end."""
+        if not self.item.info.md5:
+            return
+        self.hasher = _InOrderHash(self.fd, self.part_size, self.parts, self.item.info.size)
+        for index in self.done:
+            self.hasher.part_done(index)
+        self.hasher.start()
+
     def close(self) -> None:
+        if self.hasher is not None:
+            self.hasher.cancel()
         with self.lock:
             if self.fd is not None:
                 os.close(self.fd)
@@ -401,6 +416,8 @@ class _LargeFile:
             self.done.add(index)
             _write_json(self.record_path, {**self._record_identity(), "done": sorted(self.done)})
             complete = len(self.done) == self.parts
+        if self.hasher is not None:
+            self.hasher.part_done(index)
         if complete:
             self._finish()
 
@@ -411,7 +428,8 @@ class _LargeFile:
             raise TransientError(f"{self.item.url}: {written} of {length} bytes at offset {start}")
 
     def _finish(self) -> None:
-        problem = _problem(self.fd, self.item.info)
+        digest = self.hasher.result() if self.hasher is not None else None
+        problem = _problem(self.fd, self.item.info, digest=digest)
         self.close()
         if problem is None:
             os.replace(self.partial, self.item.target)
@@ -427,6 +445,7 @@ class _LargeFile:
         self.retried = True
         self.fetcher.log_refetch(self.item, problem)
         self._begin()
+        self._start_hasher()
         self._submit_missing()
 
 
@@ -656,13 +675,68 @@ def _preallocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)  # a filesystem without fallocate: a sparse file does
 
 
-def _problem(fd: int, info: ObjectInfo, written: Optional[int] = None) -> Optional[Tuple[str, str]]:
+def _part_size(options: "TransferOptions", size: int) -> int:
+    """The configured part size, smaller for objects that would otherwise leave workers idle."""
+    per_worker = -(-size // options.workers)
+    return min(options.part_size, max(MIN_PART, per_worker))
+
+
+class _InOrderHash:
+    """MD5 of a partial file, fed part by part in order as the parts land (a follower thread)."""
+
+    def __init__(self, fd: int, part_size: int, parts: int, size: int):
+        import hashlib
+
+        self.digest = hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
+        self.fd, self.part_size, self.parts, self.size = fd, part_size, parts, size
+        self.ready: Set[int] = set()
+        self.cancelled = False
+        self.condition = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="md5-follower", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def part_done(self, index: int) -> None:
+        with self.condition:
+            self.ready.add(index)
+            self.condition.notify()
+
+    def cancel(self) -> None:
+        with self.condition:
+            self.cancelled = True
+            self.condition.notify()
+
+    def result(self) -> Optional[str]:
+        """The hex digest once every part is hashed; None if hashing was cancelled."""
+        self.thread.join()
+        return None if self.cancelled else self.digest.hexdigest()
+
+    def _run(self) -> None:
+        for index in range(self.parts):
+            with self.condition:
+                while index not in self.ready and not self.cancelled:
+                    self.condition.wait()
+                if self.cancelled:
+                    return
+            start = index * self.part_size
+            end = min(start + self.part_size, self.size)
+            while start < end:
+                chunk = os.pread(self.fd, min(HASH_CHUNK, end - start), start)
+                if not chunk:
+                    return
+                self.digest.update(chunk)
+                start += len(chunk)
+
+
+def _problem(fd: int, info: ObjectInfo, written: Optional[int] = None,
+             digest: Optional[str] = None) -> Optional[Tuple[str, str]]:
     """(what, detail) wrong with a finished partial file, or None: its size, then its MD5 when known."""
     size = os.fstat(fd).st_size
     if size != info.size or (written is not None and written != info.size):
         return "size mismatch", f"{size if written is None else written} bytes, expected {info.size}"
     if info.md5:
-        digest = _md5(fd, size)
+        digest = digest or _md5(fd, size)
         if digest != info.md5:
             return "checksum mismatch", f"md5 {digest}, expected {info.md5}"
     return None
