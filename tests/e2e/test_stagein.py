@@ -61,7 +61,8 @@ def assert_staged(result, env):
         assert f'msg="{event}"' in result.stderr and "elapsed_s=" in result.stderr
 
 
-def test_local_paths_stage_like_the_platform(tmp_path, job_env):
+def local_bucket(tmp_path):
+    """A directory seeded like the bucket: local paths work wherever a URL does."""
     source = tmp_path / "bucket"
 
     def put(key, data):
@@ -69,7 +70,11 @@ def test_local_paths_stage_like_the_platform(tmp_path, job_env):
         (source / key).write_bytes(data)
 
     seed_tree(put)
-    result = run_ma(["--config", job_file(tmp_path, str(source)), *COMMAND], job_env)
+    return str(source)
+
+
+def test_local_paths_stage_like_the_platform(tmp_path, job_env):
+    result = run_ma(["--config", job_file(tmp_path, local_bucket(tmp_path)), *COMMAND], job_env)
     assert_staged(result, job_env)
 
 
@@ -85,14 +90,7 @@ def test_obs_endpoint_stages_with_the_real_sdk(tmp_path, job_env, obs_endpoint, 
 
 
 def test_a_restart_in_the_same_pod_does_not_fetch_again(tmp_path, job_env):
-    source = tmp_path / "bucket"
-
-    def put(key, data):
-        (source / key).parent.mkdir(parents=True, exist_ok=True)
-        (source / key).write_bytes(data)
-
-    seed_tree(put)
-    job = job_file(tmp_path, str(source))
+    job = job_file(tmp_path, local_bucket(tmp_path))
     assert run_ma(["--config", job, *COMMAND], job_env).returncode == 0
     job_env["MA_PROC_START_CNT"] = "2"
     again = run_ma(["--config", job, *COMMAND], job_env)
