@@ -11,8 +11,7 @@ from ma_runtime.errors import Category, ConfigError, ExitCode, PreflightFailed, 
 from ma_runtime.launch.args import build_argv
 from ma_runtime.output import Sink, tail_of
 from ma_runtime.redact import Masker
-from ma_runtime.stagein import Staged, stage_in
-from ma_runtime.storage import url as storage_url
+from ma_runtime.stagein import Staged, code_dir, stage_in
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import SignalQueue, become_subreaper, is_pid1
 from ma_runtime.supervise.supervisor import Outcome, Supervisor
@@ -282,7 +281,7 @@ def _print_config(spec: spec_module.JobSpec, command: Sequence[str], masker: Mas
         "sources": dict(spec.sources),
         "config_file": str(spec.config_file) if spec.config_file else None,
         "hyperparameters": dict(spec.hyperparameters),
-        "code": {"url": spec.code_url, "path": str(spec.job_dir / storage_url.parse(spec.code_url).last_part)}
+        "code": {"url": spec.code_url, "path": str(code_dir(spec))}
         if spec.code_url
         else None,
         "channels": [

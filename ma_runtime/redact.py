@@ -57,8 +57,8 @@ class Masker:
             value = self._values.sub(MASK, value)
         value = _INLINE_ASSIGNMENT.sub(_mask_inline, value)
         value = _INLINE_OPTION.sub(_mask_inline, value)
-        value = _AK_SHAPE.sub(_mask_ak, value)
-        return _SK_SHAPE.sub(_mask_sk, value)
+        value = _AK_SHAPE.sub(_mask_key_shape, value)
+        return _SK_SHAPE.sub(_mask_key_shape, value)
 
     def data(self, value: Any, key: str = "") -> Any:
         """Masks a JSON-like value; `key` is the name it was stored under."""
@@ -77,13 +77,9 @@ def _mask_inline(match: "re.Match[str]") -> str:
     return f"{match.group('key')}{match.group('sep')}{MASK}"
 
 
-def _mask_ak(match: "re.Match[str]") -> str:
-    # Upper-case words of 20 characters are AK-shaped only if they mix letters and digits.
-    token = match.group(0)
-    return MASK if _mixes_letters_and_digits(token) else token
-
-
-def _mask_sk(match: "re.Match[str]") -> str:
+def _mask_key_shape(match: "re.Match[str]") -> str:
+    # A 20- or 40-character word is key-shaped only if it mixes letters and digits
+    # (WORKERWORKERWORKERWO is a word, not an access key).
     token = match.group(0)
     return MASK if _mixes_letters_and_digits(token) else token
 

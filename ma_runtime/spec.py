@@ -43,16 +43,6 @@ def _integer(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise BadValue("is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise BadValue("must be a finite number of seconds >= 0")
-    return value
-
-
 def _choice(choices: Sequence[str]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = str(text).strip().lower()
@@ -83,6 +73,10 @@ def _number(minimum: float) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+# Durations: a finite number of seconds >= 0.
+_seconds = _number(0)
 
 
 def _names(allowed: Sequence[str]) -> Callable[[str], Tuple[str, ...]]:

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ma_runtime.spec import Channel, JobSpec
 from ma_runtime.storage import url as storage_url
-from ma_runtime.storage.base import StorageError
+from ma_runtime.storage.base import NotFound, StorageError
 
 STATE_DIR = ".ma-runtime"
 # (total bytes, files, single file bytes) the platform's console allows (001:1467, 1555, 1606).
@@ -41,6 +41,11 @@ class Staged:
     env: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
+def code_dir(spec: JobSpec) -> Path:
+    """`obs://b/path/demo-code` -> `${MA_JOB_DIR}/demo-code`: the last path part is kept (001:821-824)."""
+    return spec.job_dir / storage_url.parse(spec.code_url).last_part
+
+
 def state_dir(spec: JobSpec) -> Path:
     return spec.mount_path / STATE_DIR
 
@@ -51,8 +56,7 @@ def stage_in(spec: JobSpec, environ, log) -> Staged:
         return staged
     record = _Record(state_dir(spec) / "staged.json", reuse=spec.proc_start_cnt > 1)
     if spec.code_url:
-        location = storage_url.parse(spec.code_url)
-        _fetch(spec, environ, log, record, "code", location, spec.job_dir / location.last_part)
+        _fetch(spec, environ, log, record, "code", storage_url.parse(spec.code_url), code_dir(spec))
     for channel in spec.inputs:
         target = _fetch(spec, environ, log, record, "inputs", storage_url.parse(channel.url),
                         channel.local_dir(spec.mount_path), channel)
@@ -95,8 +99,6 @@ def _fetch(spec, environ, log, record, kind: str, location, target: Path, channe
 
 def _single_target(store, location, target: Path) -> Path:
     """A prefix written without its trailing slash is still a directory; an object lands inside `target`."""
-    from ma_runtime.storage.base import NotFound
-
     try:
         store.head(location.bucket, location.key)
     except NotFound:
