@@ -12,27 +12,27 @@ Scenario 1, many small objects (default 2000 x 4 KB under one prefix), on moto
   (c) the endpoint's ceiling: raw concurrent GETs with `http.client` over
       presigned URLs (boto3 `generate_presigned_url`) in 16 threads, one
       keep-alive connection per thread, bodies read and discarded,
-  (c') the same with a new connection per GET (what a client without
+  (c+) the ceiling for the whole job (a) does: the prefix listed page by page
+      over presigned URLs with `http.client`, then the GETs of (c),
+  (c') the GETs of (c) with a new connection per GET (what a client without
       connection reuse can reach),
-  and, unless --no-diagnostics, two rows that locate the engine's costs:
-  (d1) ma_runtime's ObsStore.read_range (the SDK as ma_runtime configures it,
-       one connection per request) in a ThreadPool(16), without the engine,
-  (d2) ma_runtime download() over an ObsStore whose ObsClient has
-       long_conn_mode=True (keep-alive), everything else unchanged.
+  and, unless --no-diagnostics:
+  (d1) ma_runtime's ObsStore.read_range in a ThreadPool(16), without the engine.
   Objects/s; goal: ma_runtime >= 90 % of the ceiling (c).
-  (b), (c), (c'), (d1) get the key list for free; (a) and (d2) list the prefix.
+  (b), (c), (c'), (d1) get the key list for free; (a) and (c+) list the prefix.
 
 Scenario 2, one large object (default 512 MB of random bytes, written once), on
 s3rver (moto reads the whole object for every ranged GET, so it is no place for
 part-parallel downloads):
   (a) ma_runtime download() with its defaults (16 workers, 32 MB parts, ranged
       from 64 MB up), and with other settings (--ma-large-variants),
+  (a-mp) ma_runtime's defaults seeing the ETag S3/OBS give a multipart upload
+      (`<hash>-<parts>`): s3rver answers a plain content MD5 even for one, so
+      (a) MD5-checks 512 MB, which no multipart-uploaded object on OBS allows;
+      (a-mp) checks the size only, as boto3 and downloadFile (which check nothing),
   (b) boto3 `download_file`, TransferConfig(multipart_chunksize=16 MB,
       max_concurrency=8), and with TransferConfig's defaults,
-  (c) the SDK's `ObsClient.downloadFile(taskNum=8, partSize=32 MB)`,
-  and, unless --no-diagnostics and where the ETag is an MD5 (s3rver's always is),
-  (d) ma_runtime's defaults with the ETag hidden from it, so it skips its MD5 pass
-      (the case of a multipart ETag on S3/OBS); the MD5 pass is also timed in (a).
+  (c) the SDK's `ObsClient.downloadFile(taskNum=8, partSize=32 MB)`.
   MB/s (decimal); each result's sha256 is checked against the source (untimed).
   Goal: ma_runtime (defaults) >= 1.2 x boto3 (16 MB x 8).
 
@@ -60,6 +60,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import signal
@@ -83,6 +84,7 @@ LARGE_KEY = "large/blob.bin"
 S3RVER_VERSION = "3.7.1"
 GOAL_SMALL_SHARE = 0.90
 GOAL_LARGE_RATIO = 1.2
+SEED_PART = 16 * MiB  # the large object's multipart upload part size
 REGION = "us-east-1"
 
 
@@ -110,7 +112,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="upload the large object as a multipart upload (ETag not an MD5: ma_runtime checks "
                              "the size only) or one PUT (MD5 ETag: ma_runtime also hashes the file) (default "
                              "multipart)")
-    parser.add_argument("--no-diagnostics", action="store_true", help="skip rows d1/d2 of scenario 1")
+    parser.add_argument("--no-diagnostics", action="store_true", help="skip row d1 of scenario 1")
     parser.add_argument("--s3rver", metavar="PATH", help="an s3rver executable to use instead of npm-installing one")
     parser.add_argument("--workdir", metavar="DIR", help="scratch parent folder (default: a new folder in /tmp)")
     parser.add_argument("--json", metavar="FILE", help="also write the results (and every sample) as JSON to FILE")
@@ -286,12 +288,12 @@ def boto3_client(server: Server, pool: int):
     )
 
 
-def obs_client(server: Server, long_conn_mode: bool = False):
+def obs_client(server: Server):
     from obs import ObsClient
 
     return ObsClient(access_key_id=server.access_key, secret_access_key=server.secret_key, server=server.endpoint,
                      signature="v4", region=REGION, path_style=True, is_signature_negotiation=False,
-                     long_conn_mode=long_conn_mode)
+)
 
 
 class QuietLog:
@@ -331,27 +333,29 @@ class ListTimer:
             self.list_seconds += time.perf_counter() - started
 
 
-class NoChecksumStore:
-    """Wraps a store; `head` answers without the ETag, so the engine skips its MD5 pass (diagnostic only)."""
+class MultipartEtagStore:
+    """Wraps a store; `head` gives the ETag S3 and OBS give a multipart upload (`<hash>-<parts>`), which
+    s3rver does not (it answers a plain content MD5). No MD5 can be checked against such an ETag, so
+    the engine checks the size only, as it does on OBS for any multipart-uploaded object."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, parts: int) -> None:
         self._store = store
+        self._parts = parts
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
 
     def head(self, bucket: str, key: str):
-        return dataclasses.replace(self._store.head(bucket, key), etag=None)
+        info = self._store.head(bucket, key)
+        return dataclasses.replace(info, etag=f"{info.etag}-{self._parts}")
 
 
 class MaRuntime:
     """ma_runtime's spec, store and options for one server, built the way the CLI builds them."""
 
-    def __init__(self, server: Server, scratch: Path, workers: Optional[int] = None, part_mb: Optional[int] = None,
-                 long_conn_mode: bool = False):
+    def __init__(self, server: Server, scratch: Path, workers: Optional[int] = None, part_mb: Optional[int] = None):
         from ma_runtime import spec as spec_module
-        from ma_runtime.redact import Masker
-        from ma_runtime.storage import obs, stores, transfer, url
+        from ma_runtime.storage import stores, transfer, url
 
         home = scratch / "ma-home"
         home.mkdir(exist_ok=True)
@@ -369,11 +373,6 @@ class MaRuntime:
         self.url = url
         location = url.parse(f"s3://{BUCKET}/{SMALL_PREFIX}")
         self.store = stores.open_store(location, self.spec, self.environ)
-        self.fresh_store: Optional[Callable[[], Any]] = None
-        if long_conn_mode:  # the same store over a keep-alive client (diagnostic d2), new for every run: the
-            # SDK's pool would otherwise hand out connections the server closed while idle between runs
-            masker = Masker([server.access_key, server.secret_key])
-            self.fresh_store = lambda: obs.ObsStore(obs_client(server, long_conn_mode=True), server.endpoint, masker)
         self.options = transfer.TransferOptions.from_spec(self.spec, scratch / "unused-state")
 
     def describe(self) -> str:
@@ -383,24 +382,10 @@ class MaRuntime:
 
     def download(self, url_text: str, dest: Path, state_dir: Path) -> Dict[str, Any]:
         log = QuietLog()
-        store = ListTimer(self.fresh_store() if self.fresh_store else self.store)
+        store = ListTimer(self.store)
         options = dataclasses.replace(self.options, state_dir=state_dir)
-        md5_seconds = [0.0]
-        original_md5 = self.transfer._md5
-
-        def timed_md5(fd: int, size: int) -> str:  # only measures: the engine's own function does the work
-            started = time.perf_counter()
-            try:
-                return original_md5(fd, size)
-            finally:
-                md5_seconds[0] += time.perf_counter() - started
-
-        self.transfer._md5 = timed_md5
-        try:
-            summary = self.transfer.download(store, self.url.parse(url_text), dest, options, log)
-        finally:
-            self.transfer._md5 = original_md5
-        return {"list_seconds": store.list_seconds, "md5_seconds": md5_seconds[0], "files": summary.files,
+        summary = self.transfer.download(store, self.url.parse(url_text), dest, options, log)
+        return {"list_seconds": store.list_seconds, "files": summary.files,
                 "bytes": summary.bytes, "refused": len(summary.refused), "engine_warnings": log.warnings[:5],
                 "engine_warning_count": len(log.warnings)}
 
@@ -476,8 +461,6 @@ def summarize(samples: List[Dict[str, Any]], amount: float) -> Dict[str, Any]:
         result["list_seconds"] = statistics.median(s["list_seconds"] for s in good)
         result["rate_without_listing"] = statistics.median(
             amount / max(s["seconds"] - s["list_seconds"], 1e-9) for s in good)
-    if all("md5_seconds" in s for s in good):
-        result["md5_seconds"] = statistics.median(s["md5_seconds"] for s in good)
     warnings = sum(s.get("engine_warning_count", 0) for s in good)
     if warnings:
         result["engine_warnings"] = warnings
@@ -554,9 +537,33 @@ def small_methods(server: Server, scratch: Path, expected: Dict[str, str], size:
                                                    ExpiresIn=24 * 3600))
         paths.append(f"{parts.path}?{parts.query}")
 
-    def run_raw(keep_alive: bool) -> Callable[[Path], Dict[str, Any]]:
+    list_query = {"Bucket": BUCKET, "Prefix": SMALL_PREFIX, "MaxKeys": 1000}
+
+    def list_raw(conn: http.client.HTTPConnection) -> int:
+        """Lists the prefix page by page, as (a) must; returns the key count."""
+        count, marker = 0, ""
+        while True:
+            params = {**list_query, **({"Marker": marker} if marker else {})}
+            parts = urlsplit(s3.generate_presigned_url("list_objects", Params=params, ExpiresIn=3600))
+            conn.request("GET", f"{parts.path}?{parts.query}")
+            resp = conn.getresponse()
+            body = resp.read()
+            assert resp.status == 200, f"listing: HTTP {resp.status}"
+            keys = re.findall(rb"<Key>([^<]*)</Key>", body)
+            count += len(keys)
+            if b"<IsTruncated>true</IsTruncated>" not in body or not keys:
+                return count
+            marker = keys[-1].decode()
+
+    def run_raw(keep_alive: bool, listing: bool = False) -> Callable[[Path], Dict[str, Any]]:
         def run(_out: Path) -> Dict[str, Any]:
             failures: List[str] = []
+            if listing:
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+                try:
+                    assert list_raw(conn) == len(keys), "the listing is short"
+                finally:
+                    conn.close()
 
             def worker(mine: List[str]) -> None:
                 conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
@@ -586,6 +593,8 @@ def small_methods(server: Server, scratch: Path, expected: Dict[str, str], size:
         Method("boto3", f"(b) boto3 get_object, ThreadPool({threads}), files", run_boto3, verify_files),
         Method("ceiling", f"(c) CEILING http.client presigned GET, {threads} thr, keep-alive", run_raw(True),
                verify_nothing),
+        Method("ceiling-list", "(c+) CEILING incl. listing: list pages, then (c)", run_raw(True, listing=True),
+               verify_nothing),
         Method("raw-new", f"(c') http.client presigned GET, {threads} thr, new conn/GET", run_raw(False),
                verify_nothing),
     ]
@@ -604,13 +613,8 @@ def small_methods(server: Server, scratch: Path, expected: Dict[str, str], size:
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(get, keys))
 
-        keep_alive_ma = MaRuntime(server, scratch, long_conn_mode=True)
-        methods += [
-            Method("d1-store", f"(d1) ObsStore.read_range only, ThreadPool({threads}), no engine", run_read_range,
-                   verify_files),
-            Method("d2-ma-ka", "(d2) ma_runtime download(), ObsClient long_conn_mode=True",
-                   lambda out: run_ma(out, keep_alive_ma), verify_files),
-        ]
+        methods.append(Method("d1-store", f"(d1) ObsStore.read_range only, ThreadPool({threads}), no engine",
+                              run_read_range, verify_files))
     return methods, {"ma_runtime_settings": ma.describe()}
 
 
@@ -638,7 +642,7 @@ def seed_large(server: Server, scratch: Path, size_mib: int, how: str) -> Tuple[
             raise
     if how == "multipart":
         s3.upload_file(str(source), BUCKET, LARGE_KEY,
-                       Config=TransferConfig(multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB,
+                       Config=TransferConfig(multipart_threshold=SEED_PART, multipart_chunksize=SEED_PART,
                                              max_concurrency=8))
     else:
         with open(source, "rb") as handle:
@@ -677,15 +681,15 @@ def large_methods(server: Server, scratch: Path, expected_sha: str, size: int,
         methods.append(Method(key, label, run_ma, verify))
         settings[key] = runtime.describe()
 
-    if diagnostics and md5_etag:
+    if md5_etag:
         runtime = MaRuntime(server, scratch)
-        runtime.store = NoChecksumStore(runtime.store)
+        runtime.store = MultipartEtagStore(runtime.store, parts=-(-size // SEED_PART))
 
-        def run_ma_no_md5(out: Path) -> Dict[str, Any]:
+        def run_ma_multipart(out: Path) -> Dict[str, Any]:
             return runtime.download(f"s3://{BUCKET}/{LARGE_KEY}", out / "blob.bin", out / "state")
 
-        methods.append(Method("d-ma-nomd5", "(d) ma_runtime defaults, ETag hidden from it (no MD5 pass)",
-                              run_ma_no_md5, verify))
+        methods.append(Method("ma-mp", "(a-mp) ma_runtime defaults, multipart ETag as S3/OBS give it (size check)",
+                              run_ma_multipart, verify))
 
     s3 = boto3_client(server, 16)
     configs = [("boto3", "(b) boto3 download_file [8 thr x 16 MiB chunks]",
@@ -772,8 +776,8 @@ def scenario_small(args, servers: Dict[str, Server], scratch: Path, results: Dic
             verdict.update(share=ma["rate"] / ceiling["rate"],
                            share_without_listing=ma["rate_without_listing"] / ceiling["rate"],
                            list_seconds=ma["list_seconds"], met=ma["rate"] / ceiling["rate"] >= GOAL_SMALL_SHARE)
-            if "d2-ma-ka" in summary and summary["d2-ma-ka"].get("rate"):
-                verdict["share_keep_alive"] = summary["d2-ma-ka"]["rate"] / ceiling["rate"]
+            if summary.get("ceiling-list", {}).get("rate"):
+                verdict["share_of_ceiling_with_listing"] = ma["rate"] / summary["ceiling-list"]["rate"]
         verdicts.append(verdict)
         results.setdefault("small", {})[name] = {
             "server": server.label, "seed_seconds": seed_seconds, "settings": settings, "summary": summary,
@@ -795,8 +799,9 @@ def scenario_small(args, servers: Dict[str, Server], scratch: Path, results: Dic
         line = (f"  {verdict['endpoint']}: ma_runtime = {100 * verdict['share']:.1f} % of the endpoint's ceiling "
                 f"(goal >= {100 * GOAL_SMALL_SHARE:.0f} %): {'MET' if verdict['met'] else 'MISSED'}; listing took "
                 f"{verdict['list_seconds']:.2f} s, without it {100 * verdict['share_without_listing']:.1f} %")
-        if "share_keep_alive" in verdict:
-            line += f"; with keep-alive (d2) {100 * verdict['share_keep_alive']:.1f} %"
+        if "share_of_ceiling_with_listing" in verdict:
+            line += (f"; of the ceiling for the same job, listing included (c+): "
+                     f"{100 * verdict['share_of_ceiling_with_listing']:.1f} %")
         print(line)
 
 
@@ -825,6 +830,9 @@ def scenario_large(args, servers: Dict[str, Server], scratch: Path, results: Dic
                 verdict["ratio_vs_boto3_defaults"] = summary["ma"]["rate"] / summary["boto3-def"]["rate"]
             if summary.get("obs-sdk", {}).get("rate"):
                 verdict["ratio_vs_obs_sdk"] = summary["ma"]["rate"] / summary["obs-sdk"]["rate"]
+            if summary.get("ma-mp", {}).get("rate"):
+                ratio_mp = summary["ma-mp"]["rate"] / summary["boto3"]["rate"]
+                verdict.update(ratio_multipart_etag=ratio_mp, met_multipart_etag=ratio_mp >= GOAL_LARGE_RATIO)
         verdicts.append(verdict)
         results.setdefault("large", {})[name] = {
             "server": server.label, "sha256": sha, "etag": etag, "settings": settings, "summary": summary,
@@ -837,17 +845,14 @@ def scenario_large(args, servers: Dict[str, Server], scratch: Path, results: Dic
                 rows, "MB/s", args.repeat)
     for verdict in verdicts:
         name = verdict["endpoint"]
-        etag_kind = ("ETag is 32 hex digits, so ma_runtime MD5-hashes the finished file; s3rver gives a "
-                     "content MD5 even for multipart uploads" if len(verdict["etag"]) == 32 and
-                     "-" not in verdict["etag"] else "multipart ETag: ma_runtime checks the size only")
+        plain_md5 = len(verdict["etag"]) == 32 and "-" not in verdict["etag"]
+        etag_kind = ("ETag is 32 hex digits, so ma_runtime MD5-checks the file, hashing the parts in order as "
+                     "they land; s3rver gives a content MD5 even for multipart uploads" if plain_md5
+                     else "multipart ETag: ma_runtime checks the size only")
         print(f"  {name}: {servers[name].label} at {servers[name].endpoint}; object seeded as {args.large_seed} "
               f"({etag_kind})")
         for key, text in results["large"][name]["settings"].items():
             print(f"  {name}: ma_runtime settings of row '{key}': {text}")
-        ma_row = results["large"][name]["summary"].get("ma", {})
-        if ma_row.get("md5_seconds"):
-            print(f"  {name}: of ma_runtime's {ma_row['seconds']:.2f} s (defaults, median), its MD5 pass over the "
-                  f"finished file took {ma_row['md5_seconds']:.2f} s (after the last part, single-threaded)")
         if "ratio" not in verdict:
             print(f"  {name}: no verdict (a method failed)")
             continue
@@ -856,6 +861,10 @@ def scenario_large(args, servers: Dict[str, Server], scratch: Path, results: Dic
                         if k in verdict)
         print(f"  {name}: ma_runtime (defaults) / boto3 (8 x 16 MiB) = {verdict['ratio']:.2f}x "
               f"(goal >= {GOAL_LARGE_RATIO}x): {'MET' if verdict['met'] else 'MISSED'}{extra}")
+        if "ratio_multipart_etag" in verdict:
+            print(f"  {name}: with the multipart ETag S3/OBS give (a-mp: no MD5, like boto3): "
+                  f"{verdict['ratio_multipart_etag']:.2f}x boto3 (goal >= {GOAL_LARGE_RATIO}x): "
+                  f"{'MET' if verdict['met_multipart_etag'] else 'MISSED'}")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -10,9 +10,11 @@ All of them end a run with exit code 80, "storage failed".
 """
 
 import dataclasses
-from typing import Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Iterator, List, Optional, Protocol, Tuple
 
 from ma_runtime.errors import Category, ExitCode, RuntimeFailure
+
+Hash = Any  # a hashlib object: hashlib exports no type for one
 
 
 class StorageError(RuntimeFailure):
@@ -59,9 +61,12 @@ class ObjectStore(Protocol):
     def head(self, bucket: str, key: str) -> ObjectInfo:
         """Raises NotFound when there is no such object."""
 
-    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int) -> int:
+    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int,
+                   digest: Optional[Hash] = None, whole: bool = False) -> int:
         """Writes bytes [start, start+length) of the object at `offset` of the open file `fd` (os.pwrite),
-        streaming; returns the byte count. A body shorter than asked raises TransientError."""
+        streaming; returns the byte count. A body shorter than asked raises TransientError. `digest`
+        (a hashlib object), when given, is fed every byte as it is written: a check without a re-read.
+        `whole`: the range is the whole object as listed (the store may then skip the Range header)."""
 
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
         """Uploads a whole file in one request."""

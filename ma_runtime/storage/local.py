@@ -42,7 +42,8 @@ class LocalStore:
             raise NotFound(f"{key} is not a file")
         return ObjectInfo(key, stats.st_size)
 
-    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int) -> int:
+    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int,
+                   digest=None, whole: bool = False) -> int:
         done = 0
         try:
             with open(key, "rb") as source:
@@ -51,6 +52,8 @@ class LocalStore:
                     if not chunk:
                         raise StorageError(f"{key} is shorter than expected ({start + done} bytes)")
                     os.pwrite(fd, chunk, offset + done)
+                    if digest is not None:
+                        digest.update(chunk)
                     done += len(chunk)
         except FileNotFoundError:
             raise NotFound(f"{key} does not exist") from None

@@ -6,8 +6,10 @@ a download write outside the folder it was given. Refusing is per key: the
 caller logs it, lists it in the summary and goes on with the rest.
 """
 
+import os
+import stat
 from pathlib import Path, PurePosixPath
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 
 def normalized(relative: str) -> str:
@@ -15,24 +17,55 @@ def normalized(relative: str) -> str:
     return "/".join(part for part in relative.split("/") if part not in ("", "."))
 
 
-def refusal(dest_real: Path, relative: str) -> Optional[str]:
-    """Why the key part `relative` may not be written under the resolved destination, or None when it may."""
-    if relative.startswith("/"):
-        return "absolute path"
-    if ".." in relative.split("/"):
-        return "'..' in the path"
-    path = normalized(relative)
-    if not path:
-        return "names the destination itself"
-    # resolve() follows every symlink that already exists on the way, the last step included,
-    # so a planted link (to a folder or a file) shows as a path outside the destination.
+class Destination:
+    """Decides, key by key, what may be written under one resolved destination folder.
+
+    Each folder is resolved once (2000 keys in a few folders cost a few resolutions, not 2000
+    walks of every path step), and each file name is checked with one lstat.
+    """
+
+    def __init__(self, dest_real: Path):
+        self.dest_real = dest_real
+        self._root = str(dest_real)
+        self._folders: Dict[str, Path] = {"": dest_real}
+
+    def refusal(self, relative: str) -> Optional[str]:
+        """Why the key part `relative` may not be written here, or None when it may."""
+        if relative.startswith("/"):
+            return "absolute path"
+        if ".." in relative.split("/"):
+            return "'..' in the path"
+        path = normalized(relative)
+        if not path:
+            return "names the destination itself"
+        folder, _, name = path.rpartition("/")
+        # Every symlink already on the way counts, the last step included: a planted link (to a
+        # folder or a file) shows as a path outside the destination.
+        try:
+            resolved = _step(self._folder(folder), name)
+        except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: a symlink loop (< 3.13); ValueError: NUL
+            return f"cannot be resolved ({exc})"
+        text = str(resolved)
+        if text != self._root and not text.startswith(self._root.rstrip("/") + "/"):
+            return f"resolves outside the destination (to {resolved}) through a symlink"
+        return None
+
+    def _folder(self, folder: str) -> Path:
+        resolved = self._folders.get(folder)
+        if resolved is None:
+            parent, _, name = folder.rpartition("/")
+            resolved = self._folders[folder] = _step(self._folder(parent), name)
+        return resolved
+
+
+def _step(base: Path, name: str) -> Path:
+    """`base / name` with a symlink at `name` followed to its end (`base` is already resolved)."""
+    path = base / name
     try:
-        resolved = (dest_real / path).resolve()
-    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: a symlink loop (< 3.13); ValueError: NUL
-        return f"cannot be resolved ({exc})"
-    if resolved != dest_real and dest_real not in resolved.parents:
-        return f"resolves outside the destination (to {resolved}) through a symlink"
-    return None
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return path  # nothing there yet: nothing to follow
+    return path.resolve() if is_link else path
 
 
 def conflicts(files: List[str], folders: Iterable[str]) -> List[Optional[str]]:

@@ -39,6 +39,7 @@ HASH_CHUNK = 4 * MiB
 # Parts shrink towards this to keep every worker busy on a mid-sized object, never below it.
 MIN_PART = 8 * MiB
 NAME_MAX = 255
+JOURNAL_BATCH = 256  # journal lines written at a time
 # S3's multipart limits (OBS's are looser): parts of at least 5 MiB but the last, at most 10 000 parts.
 MIN_UPLOAD_PART = 5 * MiB
 MAX_UPLOAD_PARTS = 10_000
@@ -102,22 +103,42 @@ class _Calls:
         self.stop = stop or threading.Event()
 
     def __call__(self, function, *args):
+        # Most calls succeed at once: only a failed one pays for building a Retrying (that was
+        # ~12 % of the CPU of a small file's download when every call built one).
+        started = time.monotonic()
+        try:
+            return function(*args)
+        except TransientError as exc:
+            if self.stop.is_set():
+                raise
+            return self._retry(function, args, exc, started)
+
+    def _retry(self, function, args, first_failure: TransientError, started: float):
         t = self._tenacity
+        failures = [first_failure]
+
+        def attempt():  # attempt 1 is the call that already failed: tenacity logs it and waits first
+            if failures:
+                raise failures.pop()
+            return function(*args)
+
         retrying = t.Retrying(
             retry=t.retry_if_exception_type(TransientError),
             wait=self._wait,
-            stop=t.stop_after_delay(self.seconds) | t.stop_when_event_set(self.stop),
+            # The deadline counts from the first attempt, which may itself have taken a timeout's length.
+            stop=t.stop_after_delay(max(0.0, self.seconds - (time.monotonic() - started)))
+            | t.stop_when_event_set(self.stop),
             sleep=self.stop.wait,  # a wait that ends as soon as the transfer as a whole has failed
             before_sleep=self._log_retry,
             reraise=True,
         )
         try:
-            return retrying(function, *args)
+            return retrying(attempt)
         except TransientError as exc:
             if self.stop.is_set():
                 raise
             attempts = retrying.statistics.get("attempt_number", 1)
-            seconds = retrying.statistics.get("delay_since_first_attempt", 0)
+            seconds = time.monotonic() - started
             raise TransientError(f"{exc.reason} (failed {attempts} times in {seconds:.1f} s)", hint=exc.hint) from exc
 
     def _log_retry(self, state) -> None:
@@ -147,7 +168,10 @@ def download(store, location: Location, dest: Path, options: TransferOptions, lo
         todo = [item for item in items if not _already_there(item, journal)]
         log.info("download started", url=location.text, dest=str(dest), files=len(todo),
                  bytes=sum(item.info.size for item in todo), skipped=len(items) - len(todo), refused=len(refused))
-        moved = _Fetcher(store, location, options, journal, log).run(todo)
+        try:
+            moved = _Fetcher(store, location, options, journal, log).run(todo)
+        finally:
+            journal.close()
         journal.compact({item.info.key for item in items})
     except OSError as exc:  # the local side: disk full, permissions, a file where a folder must be
         raise StorageError(f"{location.text} -> {dest}: {_oserror_text(exc)}") from exc
@@ -176,7 +200,7 @@ def _find(store, location: Location, calls: _Calls) -> Tuple[List[ObjectInfo], O
 
 def _plan_tree(objects, prefix: str, dest: Path, location: Location, log) -> Tuple[List[_Item], List[str]]:
     """Files to fetch under `dest`, and the keys refused; makes the folders (markers and parents)."""
-    dest_real = dest.resolve()
+    destination = safety.Destination(dest.resolve())
     files: List[Tuple[ObjectInfo, str]] = []
     folders: List[str] = []
     refused: List[str] = []
@@ -185,7 +209,7 @@ def _plan_tree(objects, prefix: str, dest: Path, location: Location, log) -> Tup
         is_folder = info.key.endswith("/")
         if is_folder and not safety.normalized(relative):
             continue  # the prefix's own marker
-        reason = safety.refusal(dest_real, relative)
+        reason = destination.refusal(relative)
         if reason:
             _refuse(log, refused, location, info.key, reason)
         elif is_folder:
@@ -268,35 +292,45 @@ class _Fetcher:
         return self.progress.bytes_done
 
     def _fetch_small(self, item: _Item) -> None:
-        partial = _partial_path(item.target)
+        # The hot path of many small files: four file syscalls (open, write, close, rename), the MD5
+        # taken from the bytes as they are written, no stat. Each syscall is a GIL hand-off among
+        # the workers, and those hand-offs, not the bytes, are what small files cost.
+        target = str(item.target)
+        partial = _partial_path(target)
         problem: Optional[Tuple[str, str]] = None
         for attempt in (1, 2):
+            fd = _open_fresh(partial)
+            placed = False
             try:
-                fd = _open_fresh(partial)
                 try:
-                    written = self.calls(self._read_whole, item, fd)
-                    self.progress.add(written)
-                    problem = _problem(fd, item.info, written)
+                    written, digest = self.calls(self._read_whole, item, fd)
                 finally:
                     os.close(fd)
+                problem = _check(item.info, written, digest)
                 if problem is None:
-                    os.replace(partial, item.target)
-                    self.finished(item)
+                    os.replace(partial, target)
+                    placed = True
+                    self.finished(item, written)
                     return
+                self.progress.add(written)
             finally:
-                _remove(partial)  # a no-op once renamed into place
+                if not placed:
+                    _remove(partial)
             if attempt == 1:
                 self.log_refetch(item, problem)
         raise _corrupt(item, problem)
 
-    def _read_whole(self, item: _Item, fd: int) -> int:
+    def _read_whole(self, item: _Item, fd: int) -> Tuple[int, Optional[str]]:
+        """(bytes written, their MD5 when the ETag is one); a retry starts both afresh."""
         if item.info.size == 0:
-            return 0  # a zero-length range cannot be asked for
-        return self.store.read_range(self.bucket, item.info.key, 0, item.info.size, fd, 0)
+            return 0, _EMPTY_MD5  # a zero-length range cannot be asked for
+        digest = _new_md5() if item.info.md5 else None
+        written = self.store.read_range(self.bucket, item.info.key, 0, item.info.size, fd, 0, digest, whole=True)
+        return written, digest.hexdigest() if digest is not None else None
 
-    def finished(self, item: _Item) -> None:
+    def finished(self, item: _Item, nbytes: int = 0) -> None:
         self.journal.add(item.info.key, item.info.etag)
-        self.progress.add(files=1)
+        self.progress.add(nbytes, files=1)
 
     def log_refetch(self, item: _Item, problem: Tuple[str, str]) -> None:
         self.log.warning("download verification failed, fetching again", url=item.url, problem=problem[0],
@@ -349,7 +383,7 @@ class _LargeFile:
 
     def close(self) -> None:
         if self.hasher is not None:
-            self.hasher.cancel()
+            self.hasher.cancel()  # and wait for it: its reads must end before the descriptor does
         with self.lock:
             if self.fd is not None:
                 os.close(self.fd)
@@ -589,13 +623,19 @@ def _upload_part_size(wanted: int, size: int) -> int:
 class _Journal:
     """The ETag each file of one download was written from, as JSON lines appended as files land.
 
-    Appending costs one short write per file, and a crash loses at most the line in flight (a
-    torn last line is skipped on reading). A store without ETags (local) writes no journal.
+    Lines are written in batches of JOURNAL_BATCH (and at the end) by one write(2) on a descriptor
+    opened once: per file, that is a list append. A crash loses at most the last batch, which
+    costs nothing but a check: a file at its final path with the right size and no journal line
+    is taken as it is, as after a download by another tool; only a change of ETag at the same size
+    goes unnoticed for those files. A torn last line is skipped on reading, and the next batch
+    starts on a line of its own. A store without ETags (local) writes no journal.
     """
 
     def __init__(self, path: Path):
         self.path = path
         self.lock = threading.Lock()
+        self.fd: Optional[int] = None
+        self.pending: List[str] = []
         self.etags = self._read()
 
     def _read(self) -> Dict[str, Optional[str]]:
@@ -618,13 +658,43 @@ class _Journal:
     def add(self, key: str, etag: Optional[str]) -> None:
         if etag is None:
             return
-        line = json.dumps({"key": key, "etag": etag}, ensure_ascii=False) + "\n"
-        with self.lock, open(self.path, "a", encoding="utf-8") as journal:
+        with self.lock:
             self.etags[key] = etag
-            journal.write(line)
+            self.pending.append(key)
+            if len(self.pending) >= JOURNAL_BATCH:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        lines = "".join(json.dumps({"key": key, "etag": self.etags[key]}, ensure_ascii=False) + "\n"
+                        for key in self.pending)
+        self.pending = []
+        if self.fd is None:
+            self.fd = self._open()
+        os.write(self.fd, lines.encode("utf-8", "surrogateescape"))
+
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")  # after a torn last line, so it does not swallow the next one
+        return fd
+
+    def close(self) -> None:
+        """Writes what is pending and closes the file; on a full disk, the lines are lost, not the download."""
+        with self.lock:
+            try:
+                self._flush()
+            except OSError:
+                pass
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
     def compact(self, keys: Set[str]) -> None:
         """Rewrites the journal with only the keys still listed, so reruns do not grow it."""
+        self.close()
         with self.lock:
             kept = {key: etag for key, etag in self.etags.items() if key in keys}
             if not kept:
@@ -649,18 +719,24 @@ def _digest(*parts) -> str:
     return hashlib.sha256("\0".join(str(part) for part in parts).encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
-def _partial_path(target: Path) -> Path:
-    """Hidden, next to the target (same filesystem, so the final rename is atomic)."""
-    name = f".{target.name}{PARTIAL_SUFFIX}"
-    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
-        name = f".{_digest(target.name)}{PARTIAL_SUFFIX}"
-    return target.with_name(name)
+def _partial_path(target):
+    """Hidden, next to the target (same filesystem, so the final rename is atomic); a str for a str."""
+    folder, name = os.path.split(str(target))
+    partial = f".{name}{PARTIAL_SUFFIX}"
+    if len(partial.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        partial = f".{_digest(name)}{PARTIAL_SUFFIX}"
+    joined = os.path.join(folder, partial)
+    return joined if isinstance(target, str) else Path(joined)
 
 
-def _open_fresh(path: Path) -> int:
+def _open_fresh(path) -> int:
     # O_EXCL | O_NOFOLLOW: never write through a symlink someone left at the partial name.
-    _remove(path)
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o666)
+    except FileExistsError:  # a leftover of an earlier run (or that symlink): replace it
+        _remove(path)
+        return os.open(path, flags, 0o666)
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -685,12 +761,11 @@ class _InOrderHash:
     """MD5 of a partial file, fed part by part in order as the parts land (a follower thread)."""
 
     def __init__(self, fd: int, part_size: int, parts: int, size: int):
-        import hashlib
-
-        self.digest = hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
+        self.digest = _new_md5()
         self.fd, self.part_size, self.parts, self.size = fd, part_size, parts, size
         self.ready: Set[int] = set()
         self.cancelled = False
+        self.failed = False
         self.condition = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="md5-follower", daemon=True)
 
@@ -703,25 +778,35 @@ class _InOrderHash:
             self.condition.notify()
 
     def cancel(self) -> None:
+        """Stops the follower and waits for it (a chunk's read at most)."""
         with self.condition:
             self.cancelled = True
             self.condition.notify()
+        if self.thread.is_alive():
+            self.thread.join()
 
     def result(self) -> Optional[str]:
-        """The hex digest once every part is hashed; None if hashing was cancelled."""
+        """The hex digest once every part is hashed; None if hashing was cancelled or failed
+        (the caller then hashes the file itself)."""
         self.thread.join()
-        return None if self.cancelled else self.digest.hexdigest()
+        return None if self.cancelled or self.failed else self.digest.hexdigest()
 
     def _run(self) -> None:
+        try:
+            self._follow()
+        except OSError:
+            self.failed = True
+
+    def _follow(self) -> None:
         for index in range(self.parts):
             with self.condition:
                 while index not in self.ready and not self.cancelled:
                     self.condition.wait()
-                if self.cancelled:
-                    return
             start = index * self.part_size
             end = min(start + self.part_size, self.size)
             while start < end:
+                if self.cancelled:
+                    return
                 chunk = os.pread(self.fd, min(HASH_CHUNK, end - start), start)
                 if not chunk:
                     return
@@ -729,23 +814,34 @@ class _InOrderHash:
                 start += len(chunk)
 
 
-def _problem(fd: int, info: ObjectInfo, written: Optional[int] = None,
-             digest: Optional[str] = None) -> Optional[Tuple[str, str]]:
-    """(what, detail) wrong with a finished partial file, or None: its size, then its MD5 when known."""
-    size = os.fstat(fd).st_size
-    if size != info.size or (written is not None and written != info.size):
-        return "size mismatch", f"{size if written is None else written} bytes, expected {info.size}"
-    if info.md5:
-        digest = digest or _md5(fd, size)
-        if digest != info.md5:
-            return "checksum mismatch", f"md5 {digest}, expected {info.md5}"
+def _new_md5():
+    import hashlib
+
+    return hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
+
+
+_EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
+
+
+def _check(info: ObjectInfo, written: int, digest: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(what, detail) wrong with a small file from the bytes written and their MD5, or None."""
+    if written != info.size:
+        return "size mismatch", f"{written} bytes, expected {info.size}"
+    if info.md5 and digest != info.md5:
+        return "checksum mismatch", f"md5 {digest}, expected {info.md5}"
     return None
 
 
-def _md5(fd: int, size: int) -> str:
-    import hashlib
+def _problem(fd: int, info: ObjectInfo, digest: Optional[str] = None) -> Optional[Tuple[str, str]]:
+    """(what, detail) wrong with a finished large partial file, or None: its size, then its MD5 when known."""
+    size = os.fstat(fd).st_size
+    if size != info.size:
+        return "size mismatch", f"{size} bytes, expected {info.size}"
+    return _check(info, size, digest or _md5(fd, size) if info.md5 else None)
 
-    digest = hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
+
+def _md5(fd: int, size: int) -> str:
+    digest = _new_md5()
     offset = 0
     while offset < size:
         chunk = os.pread(fd, min(HASH_CHUNK, size - offset), offset)

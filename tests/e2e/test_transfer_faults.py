@@ -2,10 +2,12 @@
 
 The proxy (threads, 127.0.0.1:0) can reset connections, answer 503, delay
 responses or cut a response short, for the first N requests of chosen
-methods (the SDK opens one connection per request, so a connection is a
-request). Each case ends in one of two ways: the transfer succeeds with the
-right bytes, or it fails cleanly with TransientError once `retry_seconds` are
-spent. Either way, no file at a final path is ever partial or corrupt.
+methods. It reads each client connection request by request, so a request
+on a kept-alive connection (ma_runtime's reads) can be spoiled as well as
+the first one on a new connection (the SDK's other calls). Each case ends
+in one of two ways: the transfer succeeds with the right bytes, or it fails
+cleanly with TransientError once `retry_seconds` are spent. Either way, no
+file at a final path is ever partial or corrupt.
 """
 
 import hashlib
@@ -41,6 +43,7 @@ class FaultProxy:
         self.fault, self.count, self.methods, self.objects_only = None, 0, (), True
         self.delay, self.cut_bytes = 0.0, 0
         self.spoiled = 0
+        self.connections = self.requests = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def arm(self, fault, count=10**9, methods=("GET",), objects_only=True, delay=0.0, cut_bytes=64 * 1024):
@@ -61,11 +64,14 @@ class FaultProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return  # closed
+            with self.lock:
+                self.connections += 1
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _take_fault(self, method, path):
         is_object = "/" in path.split("?", 1)[0].lstrip("/")  # path style: /bucket/key
         with self.lock:
+            self.requests += 1
             if self.fault and method in self.methods and (is_object or not self.objects_only) and self.count > 0:
                 self.count -= 1
                 self.spoiled += 1
@@ -73,41 +79,60 @@ class FaultProxy:
             return None
 
     def _serve(self, client):
+        """One client connection, request by request (clients keep connections alive): each request goes
+        upstream on a connection of its own, and its answer comes back without the upstream's
+        `Connection: close`, so the client may send its next request here."""
+        buffered = b""
         try:
-            head, rest = _read_head(client)
-            if head is None:
-                return
-            method, path = (part.decode() for part in head.split(b" ", 2)[:2])
-            fault = self._take_fault(method, path)
-            if fault == "reset":
-                _reset(client)
-            elif fault == "503":
-                _drain_body(client, head, rest)
-                client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
-                               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(SLOW_DOWN), SLOW_DOWN))
-            else:
-                self._forward(client, head + rest, fault)
+            while True:
+                head, buffered = _read_head(client, buffered)
+                if head is None:
+                    return
+                method, path = (part.decode() for part in head.split(b" ", 2)[:2])
+                body, buffered = _read_body(client, head, buffered)
+                fault = self._take_fault(method, path)
+                if fault == "reset":
+                    _reset(client)
+                    return
+                if fault == "503":
+                    client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+                                   b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(SLOW_DOWN), SLOW_DOWN))
+                    return
+                if not self._forward(client, head, body, fault):
+                    return
         except OSError:
             pass
         finally:
             client.close()
 
-    def _forward(self, client, first_bytes, fault):
+    def _forward(self, client, head, body, fault):
+        """Sends one request upstream and its answer back; False when the client connection is done."""
         upstream = socket.create_connection(self.upstream)
         try:
-            upstream.sendall(first_bytes)
-            threading.Thread(target=_pump, args=(client, upstream, None), daemon=True).start()
-            if fault == "delay":
-                time.sleep(self.delay)
-            _pump(upstream, client, self.cut_bytes if fault == "cut" else None)
-            if fault == "cut":
-                _reset(client)  # mid-body: the client sees the connection die before Content-Length
+            upstream.sendall(_with_header(head, b"Connection: close") + body)
+            answer = b""
+            while True:  # the upstream closes after its answer (we asked it to)
+                chunk = upstream.recv(1 << 20)
+                if not chunk:
+                    break
+                answer += chunk
         finally:
             upstream.close()
+        if fault == "delay":
+            time.sleep(self.delay)
+        answer_head, _, answer_body = answer.partition(b"\r\n\r\n")
+        answer = _without_header(answer_head, b"connection") + b"\r\n\r\n" + answer_body
+        if fault == "cut":
+            client.sendall(answer[:len(answer_head) + 4 + self.cut_bytes])
+            _reset(client)  # mid-body: the client sees the connection die before Content-Length
+            return False
+        client.sendall(answer)
+        return True
 
 
-def _read_head(sock):
-    data = b""
+def _read_head(sock, buffered):
+    """(request head, bytes after it) or (None, b"") when the client closed."""
+    data = buffered
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         if not chunk:
@@ -117,35 +142,28 @@ def _read_head(sock):
     return head + b"\r\n\r\n", rest
 
 
-def _drain_body(sock, head, rest):
+def _read_body(sock, head, buffered):
+    """(the request's body, bytes after it), by its Content-Length."""
+    length = 0
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
-            remaining = int(line.split(b":", 1)[1]) - len(rest)
-            while remaining > 0:
-                chunk = sock.recv(min(remaining, 1 << 20))
-                if not chunk:
-                    return
-                remaining -= len(chunk)
+            length = int(line.split(b":", 1)[1])
+    data = buffered
+    while len(data) < length:
+        chunk = sock.recv(min(length - len(data), 1 << 20))
+        if not chunk:
+            break
+        data += chunk
+    return data[:length], data[length:]
 
 
-def _pump(source, sink, limit):
-    """Copies until EOF (or `limit` bytes), then shuts both down so the other direction ends too."""
-    sent = 0
-    try:
-        while limit is None or sent < limit:
-            chunk = source.recv(65536 if limit is None else min(65536, limit - sent))
-            if not chunk:
-                break
-            sink.sendall(chunk)
-            sent += len(chunk)
-    except OSError:
-        pass
-    finally:
-        for sock in (source, sink):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+def _with_header(head, header):
+    return _without_header(head[:-4], b"connection") + b"\r\n" + header + b"\r\n\r\n"
+
+
+def _without_header(head, name):
+    lines = head.split(b"\r\n")
+    return b"\r\n".join(line for line in lines if not line.lower().startswith(name + b":"))
 
 
 def _reset(sock):
@@ -232,6 +250,25 @@ def test_a_few_faults_are_retried_and_the_bytes_are_right(proxy, obs_endpoint, s
     assert summary.files == len(expected)
     assert {p.name: p.read_bytes() for p in (tmp_path / "dest").iterdir()} == expected
     assert ("warning", "storage request failed, retrying") in log.events
+
+
+def test_reads_reuse_connections_and_survive_resets_on_reused_ones(proxy, obs_endpoint, seeded, tmp_path):
+    bucket, expected = seeded
+    download(proxy, obs_endpoint, tmp_path / "first", bucket, retry_seconds=30)
+    assert proxy.requests > proxy.connections  # kept alive: more requests than connections
+
+    store = store_via(proxy, obs_endpoint, tmp_path)
+    opts = options(tmp_path, retry_seconds=30)
+    location = storage_url.parse(f"obs://{bucket}/data/")
+    transfer.download(store, location, tmp_path / "warm", opts, Log())  # every worker now holds a connection
+    proxy.arm("reset", 3, ("GET",))
+    log = Log()
+
+    summary = transfer.download(store, location, tmp_path / "dest", opts, log)
+
+    assert proxy.spoiled == 3
+    assert {p.name: p.read_bytes() for p in (tmp_path / "dest").iterdir()} == expected
+    assert summary.files == len(expected)
 
 
 def test_a_single_large_object_through_resets_of_head_and_get(proxy, obs_endpoint, seeded, tmp_path):

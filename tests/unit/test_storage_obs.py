@@ -188,23 +188,32 @@ def test_read_range_of_a_whole_object(store, obs_endpoint, bucket, tmp_path):
     assert target.read_bytes() == data
 
 
-def test_body_is_copied_in_bounded_chunks():
-    """The body streams: no read asks for more than CHUNK, whatever the range's length."""
+def test_body_is_copied_in_bounded_chunks_through_one_buffer(tmp_path):
+    """The body streams: no read asks for more than CHUNK, whatever the range's length, and every read
+    lands in the same reused buffer (no allocation per read)."""
 
     class Stream:
         def __init__(self, size):
-            self.left, self.asked = size, []
+            self.left, self.asked, self.buffers = size, [], set()
 
-        def read(self, amount):
-            self.asked.append(amount)
-            taken = min(amount, self.left)
+        def readinto(self, view):
+            self.asked.append(len(view))
+            self.buffers.add(id(view.obj))
+            taken = min(len(view), self.left)
+            view[:taken] = b"x" * taken
             self.left -= taken
-            return b"x" * taken
+            return taken
 
+    store = make_store(fake_env("http://127.0.0.1:9"), tmp_path)  # nothing is sent
     stream = Stream(5 * obs_module.CHUNK + 3)
-    with open(os.devnull, "wb") as sink:
-        assert ObsStore._copy_body(stream, 5 * obs_module.CHUNK + 3, sink.fileno(), 0, "obs://b/k") > 0
-    assert max(stream.asked) <= obs_module.CHUNK
+    sink = tmp_path / "sink"
+    fd = os.open(sink, os.O_RDWR | os.O_CREAT)
+    try:
+        assert store._copy_body(stream, 5 * obs_module.CHUNK + 3, fd, 7, "obs://b/k") == 5 * obs_module.CHUNK + 3
+    finally:
+        os.close(fd)
+    assert max(stream.asked) <= obs_module.CHUNK and len(stream.buffers) == 1
+    assert sink.stat().st_size == 7 + 5 * obs_module.CHUNK + 3
 
 
 # --- writing ---------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import spec as job_spec
-from ma_runtime.storage import transfer
+from ma_runtime.storage import safety, transfer
 from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import AccessDenied, CorruptTransfer, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.local import LocalStore
@@ -80,10 +80,10 @@ class CountingStore(Wrapper):
         self.parts = []  # upload part numbers
         self.creates = 0
 
-    def read_range(self, bucket, key, start, length, fd, offset):
+    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
         with self.lock:
             self.reads.append((key, start))
-        return self.inner.read_range(bucket, key, start, length, fd, offset)
+        return self.inner.read_range(bucket, key, start, length, fd, offset, digest, whole=whole)
 
     def upload_part(self, bucket, key, upload_id, number, path, offset, size):
         with self.lock:
@@ -102,26 +102,26 @@ class FailAfterReads(Wrapper):
         super().__init__(store)
         self.key, self.allowed, self.error = key, allowed, error
 
-    def read_range(self, bucket, key, start, length, fd, offset):
+    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
         if key == self.key:
             with self.lock:
                 self.allowed -= 1
                 exhausted = self.allowed < 0
             if exhausted:
                 raise self.error(f"injected failure reading {key} at {start}")
-        return self.inner.read_range(bucket, key, start, length, fd, offset)
+        return self.inner.read_range(bucket, key, start, length, fd, offset, digest, whole=whole)
 
 
 class FlippingStore(Wrapper):
-    """Flips one byte of what each of the first `times` reads of a key wrote."""
+    """Flips one byte of what each of the first `times` reads of a key received (so also of what it hashed)."""
 
     def __init__(self, store, times=99):
         super().__init__(store)
         self.times = times
         self.flips = {}
 
-    def read_range(self, bucket, key, start, length, fd, offset):
-        count = self.inner.read_range(bucket, key, start, length, fd, offset)
+    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
+        count = self.inner.read_range(bucket, key, start, length, fd, offset, whole=whole)
         with self.lock:
             flip = self.flips.get(key, 0) < self.times and count > 0
             if flip:
@@ -129,6 +129,8 @@ class FlippingStore(Wrapper):
         if flip:
             byte = os.pread(fd, 1, offset)
             os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+        if digest is not None:
+            digest.update(os.pread(fd, count, offset))
         return count
 
 
@@ -165,9 +167,11 @@ class MemoryStore:
             raise NotFound(f"memory://{key} not found")
         return self._info(key)
 
-    def read_range(self, bucket, key, start, length, fd, offset):
+    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
         data = self.objects[key][start:start + length]
         os.pwrite(fd, data, offset)
+        if digest is not None:
+            digest.update(data)
         return len(data)
 
 
@@ -321,6 +325,43 @@ def test_a_changed_object_of_the_same_size_is_fetched_again(obs_endpoint, tmp_pa
     assert (dest / "a.txt").read_bytes() == b"version-2"
 
 
+def test_the_journal_writes_in_batches_and_keeps_every_line(tmp_path):
+    path = tmp_path / "j.journal"
+    journal = transfer._Journal(path)
+    count = transfer.JOURNAL_BATCH + 7
+    for index in range(count):
+        journal.add(f"k{index}", f"etag{index}")
+    assert len(path.read_text().splitlines()) == transfer.JOURNAL_BATCH  # one batch out, the rest pending
+    journal.close()
+
+    assert transfer._Journal(path).etags == {f"k{index}": f"etag{index}" for index in range(count)}
+
+
+def test_a_torn_journal_line_does_not_swallow_the_next_batch(tmp_path):
+    path = tmp_path / "j.journal"
+    path.write_text('{"key": "a", "etag": "1"}\n{"key": "b", "et')  # a crash mid-line
+    journal = transfer._Journal(path)
+    journal.add("c", "3")
+    journal.close()
+
+    assert transfer._Journal(path).etags == {"a": "1", "c": "3"}
+
+
+def test_files_whose_journal_lines_were_lost_are_kept_when_their_size_is_right(tmp_path):
+    """What a crash before a batch was written leaves: files in place, no lines. They are not fetched again."""
+    objects = {f"p/f{index}.txt": f"data-{index}".encode() for index in range(5)}
+    store = CountingStore(MemoryStore(objects))
+    dest = tmp_path / "dest"
+    transfer.download(store, storage_url.parse("obs://b/p/"), dest, options(tmp_path), Log())
+    for journal in (tmp_path / "state").glob("*.journal"):
+        journal.unlink()
+    store.reads.clear()
+
+    summary = transfer.download(store, storage_url.parse("obs://b/p/"), dest, options(tmp_path), Log())
+
+    assert (summary.files, summary.skipped, store.reads) == (0, 5, [])
+
+
 def test_a_local_file_of_another_size_is_fetched_again(tmp_path):
     source = Source("local", tmp_path)
     source.put_many({"a.txt": b"12345", "b.txt": b"stays"})
@@ -402,7 +443,8 @@ def test_unicode_keys(source, tmp_path):
 # --------------------------------------------------------------------------- safety
 
 
-UNSAFE_KEYS = ["p/../x", "p//etc/ma-runtime-transfer-test", "p/a/../../x", "p/link/evil", "p/filelink"]
+UNSAFE_KEYS = ["p/../x", "p//etc/ma-runtime-transfer-test", "p/a/../../x", "p/link/evil", "p/filelink",
+               "p/link/again", "p/link/deeper/evil"]  # the link's folder is resolved once: each key still refused
 
 
 @pytest.mark.parametrize("kind", ["memory", "obs-v4"])
@@ -447,6 +489,24 @@ def test_keys_naming_one_path_twice_or_a_file_inside_a_file_are_refused(tmp_path
     assert sorted(summary.refused) == ["p/a", "p/x/y"]  # "p/x//y" lists first ("/" < "y") and wins
     assert sha256_tree(tmp_path / "dest").keys() == {"a/b", "x/y"}
     assert (tmp_path / "dest" / "x" / "y").read_bytes() == b"second"
+
+
+def test_destination_follows_links_that_stay_inside_and_refuses_loops(tmp_path):
+    dest = tmp_path / "dest"
+    (dest / "real").mkdir(parents=True)
+    (dest / "inner").symlink_to(dest / "real")  # a link that stays inside is fine
+    (dest / "chain").symlink_to(dest / "inner")
+    (dest / "loop").symlink_to(dest / "loop")
+    (dest / "out").symlink_to(tmp_path)
+    destination = safety.Destination(dest.resolve())
+
+    assert destination.refusal("inner/a.txt") is None
+    assert destination.refusal("chain/deep/b.txt") is None
+    assert "cannot be resolved" in destination.refusal("loop/x")
+    assert "outside the destination" in destination.refusal("out")
+    assert destination.refusal("chain/../../x") == "'..' in the path"
+    assert destination.refusal("/etc/passwd") == "absolute path"
+    assert destination.refusal(".//./") == "names the destination itself"
 
 
 def test_a_symlink_at_the_partial_name_is_not_written_through(tmp_path):
@@ -523,9 +583,9 @@ from ma_runtime.storage import transfer, url
 from ma_runtime.storage.local import LocalStore
 
 class Slow(LocalStore):
-    def read_range(self, *args):
+    def read_range(self, *args, **kwargs):
         time.sleep(0.1)
-        return super().read_range(*args)
+        return super().read_range(*args, **kwargs)
 
 options = transfer.TransferOptions(workers=1, part_size=1 << 20, large_threshold=4 << 20, progress_seconds=0,
                                    state_dir=Path(sys.argv[3]))
@@ -597,11 +657,11 @@ def test_transient_errors_are_retried(tmp_path):
     calls = {"n": 0}
     failing_read = store.read_range
 
-    def read_range(*args):
+    def read_range(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] <= 3:
-            return failing_read(*args)  # the first three raise TransientError
-        return store.inner.read_range(*args)
+            return failing_read(*args, **kwargs)  # the first three raise TransientError
+        return store.inner.read_range(*args, **kwargs)
 
     store.read_range = read_range
     log = Log()
