@@ -3,9 +3,10 @@
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, logs, termination
+from ma_runtime import __version__, logs, ranktable, termination
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import Category, ConfigError, ExitCode, PreflightFailed, RuntimeFailure
 from ma_runtime.launch.args import build_argv
@@ -43,6 +44,9 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
             log.info(note)
         _preflight(spec, log)
         staged = stage_in(spec, os.environ, log)
+        rank_table = ranktable.prepare(spec, os.environ, log)
+        if rank_table is not None:
+            staged.env.update(rank_table.env)
         return _run_command(spec, command, context, staged)
     except RuntimeFailure as failure:
         return context.fail(failure)
@@ -142,8 +146,7 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     try:
         spec = spec_module.load({}, os.environ, config_file)
     except ConfigError as failure:
-        log.error(f"error,exiting: {failure.reason}", hint=failure.hint or None, exit_code=int(failure.exit_code))
-        return int(failure.exit_code)
+        return _tool_failure(log, failure)
     logs.configure(spec.log_format, spec.log_level, masker)
     if spec.skip_image_detect == "0":
         log.info("MA_SKIP_IMAGE_DETECT=0 turns preflight off in ma-runtime run; running it because it was asked for")
@@ -155,6 +158,68 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     if not report.ok:
         log.error(f"error,exiting: preflight failed: {', '.join(report.failed_items())}")
     return ExitCode.OK if report.ok else ExitCode.PREFLIGHT_FAILED
+
+
+def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int:
+    """`ma-runtime ranktable wait`: the table's path on stdout once it says completed."""
+    log, spec = _tool_setup()
+    if spec is None:
+        return ExitCode.BAD_CONFIGURATION
+    configured = path or (str(spec.ranktable_file) if spec.ranktable_file else "")
+    if not configured:
+        return _tool_failure(log, ConfigError("no rank table to wait for",
+                                              hint="give PATH, or set RANK_TABLE_FILE"))
+    source = ranktable.locate(configured)
+    try:
+        text = ranktable.wait(source, spec.ranktable_timeout if timeout is None else timeout, log)
+        ranktable.read_any(text, str(source))  # completed, and usable
+    except RuntimeFailure as failure:
+        return _tool_failure(log, failure)
+    sys.stdout.write(f"{source}\n")
+    return ExitCode.OK
+
+
+def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
+    """`ma-runtime ranktable convert IN [OUT]`: template one to OUT (atomically) or stdout."""
+    log, spec = _tool_setup()
+    if spec is None:
+        return ExitCode.BAD_CONFIGURATION
+    source = ranktable.locate(source_text)
+    try:
+        try:
+            text = source.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the rank table {source}: {exc.strerror or exc}") from None
+        document = ranktable.read_any(text, str(source)).template_one()
+        if output:
+            try:
+                ranktable.write_atomically(Path(output), document)
+            except OSError as exc:
+                raise ConfigError(f"cannot write {output}: {exc.strerror or exc}") from None
+        else:
+            sys.stdout.write(ranktable.layout(document))
+    except RuntimeFailure as failure:
+        return _tool_failure(log, failure)
+    return ExitCode.OK
+
+
+def _tool_setup():
+    """Logging and the job settings for an operator's tool; (log, None) after a bad-configuration line."""
+    masker = Masker.from_environ()
+    logs.configure(_early_log_format(), masker=masker)
+    log = logs.get_logger()
+    try:
+        spec = spec_module.load({}, os.environ)
+    except ConfigError as failure:
+        _tool_failure(log, failure)
+        return log, None
+    logs.configure(spec.log_format, spec.log_level, masker)
+    return log, spec
+
+
+def _tool_failure(log, failure: RuntimeFailure) -> int:
+    log.error(f"error,exiting: {failure.reason}", hint=failure.hint or None, exit_code=int(failure.exit_code))
+    return int(failure.exit_code)
 
 
 def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged) -> int:

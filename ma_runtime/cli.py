@@ -93,7 +93,56 @@ def _top_parser() -> _Parser:
     commands.add_parser("run", help="run a command under supervision (same as ma-run)", add_help=False)
     commands.add_parser("version", help="print the version and exit")
     commands.add_parser("preflight", help="run the node checks alone (same as ma-preflight)", add_help=False)
+    commands.add_parser("ranktable", help="wait for the HCCL rank table, or convert it to template one",
+                        add_help=False)
     return parser
+
+
+def _ranktable_parser() -> _Parser:
+    parser = _Parser(
+        prog="ma-runtime ranktable",
+        description="The HCCL rank table (jobstart_hccl.json): wait for status=completed, or convert template two "
+        "to template one.",
+        epilog="exit 0 on success, 78 for a malformed or inconsistent table, 81 when the wait timed out.",
+        allow_abbrev=False,
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    wait = actions.add_parser(
+        "wait", help="wait until the table says status=completed; print its path",
+        description="Wait until the rank table says status=completed, then print its path. PATH is the file or "
+        "the directory holding jobstart_hccl.json (default: $RANK_TABLE_FILE). A missing, empty or half-written "
+        "file is waited on until the timeout.",
+    )
+    wait.add_argument("path", nargs="?", metavar="PATH", help="file or directory (default: $RANK_TABLE_FILE)")
+    wait.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                      help="how long to wait (default: $MA_RUNTIME_RANKTABLE_TIMEOUT, else 1800)")
+    convert = actions.add_parser(
+        "convert", help="template two -> template one (a template-one input is validated and printed)",
+        description="Convert a template-two rank table to template one, validating it; a template-one input is "
+        "validated and written as it is. OUT is written atomically; without it the table goes to stdout.",
+    )
+    convert.add_argument("input", metavar="IN", help="the rank table (file or directory holding jobstart_hccl.json)")
+    convert.add_argument("output", nargs="?", metavar="OUT", help="where to write template one (default: stdout)")
+    return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def ranktable_main(argv: Sequence[str]) -> int:
+    options = _ranktable_parser().parse_args(list(argv))
+    from ma_runtime import bootstrap
+
+    if options.action == "wait":
+        return bootstrap.ranktable_wait_command(options.path, options.timeout)
+    return bootstrap.ranktable_convert_command(options.input, options.output)
 
 
 def _preflight_parser(prog: str) -> _Parser:
@@ -132,6 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_main(argv[1:], "ma-runtime run")
     if argv and argv[0] == "preflight":
         return preflight_main(argv[1:], "ma-runtime preflight")
+    if argv and argv[0] == "ranktable":
+        return ranktable_main(argv[1:])
     options = _top_parser().parse_args(argv)
     if options.subcommand == "version":
         print(f"ma-runtime {__version__}")

@@ -210,6 +210,12 @@ SETTINGS: Tuple[Setting, ...] = (
             ("progress_seconds", _seconds, "interval of progress lines", 10.0),
         )
     ),
+    Setting("ranktable_file", "RANK_TABLE_FILE", _path, "the HCCL rank table, or the directory holding "
+            "jobstart_hccl.json (platform: /user/config)", cli=False),
+    Setting("ranktable_wait", "MA_RUNTIME_RANKTABLE", _choice(("auto", "off")), "auto: wait for and convert the "
+            "rank table when RANK_TABLE_FILE is set; off: leave it to the command", "auto", cli=False),
+    Setting("ranktable_timeout", "MA_RUNTIME_RANKTABLE_TIMEOUT", _seconds, "how long to wait for the rank "
+            "table's status=completed, seconds", 1800.0, cli=False),
     Setting(
         "skip_image_detect",
         "MA_SKIP_IMAGE_DETECT",
@@ -225,7 +231,7 @@ parse_check_names = _names(PREFLIGHT_CHECKS)
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters", "inputs", "outputs")
 # Job-file sections whose keys are settings named `<section>_<key>`.
-FILE_SECTIONS = ("preflight", "storage", "code")
+FILE_SECTIONS = ("preflight", "storage", "code", "ranktable")
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
 
 
@@ -276,6 +282,9 @@ class JobSpec:
     storage_large_mb: float
     storage_retry_seconds: float
     storage_progress_seconds: float
+    ranktable_file: Optional[Path]
+    ranktable_wait: str
+    ranktable_timeout: float
     # Ordered (name, value) pairs, appended to the command as --name=value.
     hyperparameters: Tuple[Tuple[str, str], ...] = ()
     inputs: Tuple["Channel", ...] = ()
@@ -285,6 +294,11 @@ class JobSpec:
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
     # Things the log should say once logging is up (e.g. the laptop fallback).
     notes: Tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    @property
+    def state_dir(self) -> Path:
+        """The runtime's own records (staged.json, transfer state, the converted rank table)."""
+        return self.mount_path / ".ma-runtime"
 
     @property
     def job_id(self) -> str:

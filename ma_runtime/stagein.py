@@ -24,7 +24,6 @@ from ma_runtime.spec import Channel, JobSpec
 from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import NotFound, StorageError
 
-STATE_DIR = ".ma-runtime"
 # (total bytes, files, single file bytes) the platform's console allows (001:1467, 1555, 1606).
 LIMITS = {
     "code": (5 << 30, 1000, None),
@@ -46,15 +45,11 @@ def code_dir(spec: JobSpec) -> Path:
     return spec.job_dir / storage_url.parse(spec.code_url).last_part
 
 
-def state_dir(spec: JobSpec) -> Path:
-    return spec.mount_path / STATE_DIR
-
-
 def stage_in(spec: JobSpec, environ, log) -> Staged:
     staged = Staged()
     if not (spec.code_url or spec.inputs or spec.outputs):
         return staged
-    record = _Record(state_dir(spec) / "staged.json", reuse=spec.proc_start_cnt > 1)
+    record = _Record(spec.state_dir / "staged.json", reuse=spec.proc_start_cnt > 1)
     if spec.code_url:
         _fetch(spec, environ, log, record, "code", storage_url.parse(spec.code_url), code_dir(spec))
     for channel in spec.inputs:
@@ -84,7 +79,7 @@ def _fetch(spec, environ, log, record, kind: str, location, target: Path, channe
     try:
         store = open_store(location, spec, environ)
         dest = target if location.is_prefix else _single_target(store, location, target)
-        summary = transfer.download(store, location, dest, transfer.TransferOptions.from_spec(spec, state_dir(spec)),
+        summary = transfer.download(store, location, dest, transfer.TransferOptions.from_spec(spec, spec.state_dir),
                                     log)
     except StorageError as exc:
         # One line that names what failed and where; the engine's message says why.

@@ -1,0 +1,767 @@
+"""The rank table, in process: golden conversions, properties, validation, waiting, this node's view."""
+
+import collections
+import copy
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ma_runtime import ranktable
+from ma_runtime.errors import ExitCode
+from ma_runtime.ranktable import RankTableError, RankTableTimeout
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "ranktable"
+CASES = sorted(path.name[: -len(".template2.json")] for path in DATA.glob("*.template2.json"))
+
+
+def golden(case, template):
+    return (DATA / f"{case}.template{template}.json").read_text()
+
+
+def from_text(text, source="table.json"):
+    return ranktable.convert(ranktable.parse_template_two(ranktable.load_document(text, source), source))
+
+
+def rank_map(ranked):
+    """(server_id, physical device id) -> rank, from the Ranked model."""
+    return {(i.server_id, d.device_id): int(d.rank_id) for i in ranked.instances for d in i.devices}
+
+
+def table_rank_map(table):
+    """(server_id, physical device id) -> rank, from a template-one document."""
+    return {(s["server_id"], d["device_id"]): int(d["rank_id"]) for s in table["server_list"] for d in s["device"]}
+
+
+def all_strings(value):
+    if isinstance(value, dict):
+        return all(all_strings(v) for v in value.values())
+    if isinstance(value, list):
+        return all(all_strings(v) for v in value)
+    return isinstance(value, str)
+
+
+class Log:
+    """A structlog-style logger that keeps (level, event, fields)."""
+
+    def __init__(self):
+        self.records = []
+
+    def info(self, event, **fields):
+        self.records.append(("info", event, fields))
+
+    def warning(self, event, **fields):
+        self.records.append(("warning", event, fields))
+
+    def error(self, event, **fields):
+        self.records.append(("error", event, fields))
+
+    def fields(self, event):
+        return [fields for _, name, fields in self.records if name == event]
+
+
+# --------------------------------------------------------------------------- golden files
+
+
+def test_every_case_has_both_templates():
+    assert len(CASES) >= 9
+    for case in CASES:
+        assert (DATA / f"{case}.template1.json").is_file(), case
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_conversion_equals_the_golden_template_one(case):
+    assert from_text(golden(case, 2)).template_one() == json.loads(golden(case, 1))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_read_any_converts_template_two_and_keeps_template_one(case):
+    expected = json.loads(golden(case, 1))
+    assert ranktable.read_any(golden(case, 2), "t2").template_one() == expected
+    assert ranktable.read_any(golden(case, 1), "t1").template_one() == expected
+
+
+def test_platform_example_by_the_documented_values():
+    table = from_text(golden("platform_example", 2)).template_one()
+    assert table == {
+        "server_count": "1",
+        "server_list": [{"device": [{"device_id": "4", "device_ip": "192.1.10.254", "rank_id": "0"}],
+                         "server_id": "192.168.0.25"}],
+        "status": "completed",
+        "version": "1.0",
+    }
+
+
+def test_pods_order_by_index_as_numbers_not_strings():
+    ranked = from_text(golden("pod_index_numeric", 2))
+    assert [i.pod_name for i in ranked.instances] == [f"job3-worker-{k}" for k in (0, 1, 2, 10, 11)]
+
+
+def test_a_pod_without_index_keeps_the_groups_file_order():
+    ranked = from_text(golden("several_groups", 2))
+    assert [i.pod_name for i in ranked.instances] == [
+        "job1-worker-0", "job1-worker-1", "job1-eval-0", "job1-aux-2", "job1-aux-ps", "job1-aux-1"]
+
+
+def test_groups_without_devices_add_no_ranks_and_no_servers():
+    ranked = from_text(golden("zero_device_group", 2))
+    assert ranked.rank_size == 5
+    assert [s["server_id"] for s in ranked.template_one()["server_list"]] == ["10.1.0.3", "10.1.0.4", "10.1.0.6"]
+
+
+def test_pods_on_one_host_become_one_server_in_rank_order():
+    table = from_text(golden("shared_server", 2)).template_one()
+    assert table["server_count"] == "2"
+    assert [d["rank_id"] for d in table["server_list"][0]["device"]] == ["0", "1", "4", "5"]
+
+
+def test_rank_size_of_sixteen_by_sixteen():
+    ranked = from_text(golden("sixteen_by_sixteen", 2))
+    assert ranked.rank_size == 256 and len(ranked.template_one()["server_list"]) == 16
+
+
+@pytest.mark.parametrize(
+    "name, index",
+    [("job-abc-worker-0", 0), ("job-abc-worker-10", 10), ("worker-007", 7), ("job-abc-ps", None), ("", None),
+     (None, None), ("job-10-worker", None)],
+)
+def test_pod_index(name, index):
+    assert ranktable.pod_index(name) == index
+
+
+def test_is_template_two():
+    assert ranktable.is_template_two(json.loads(golden("two_servers_8", 2)))
+    assert not ranktable.is_template_two(json.loads(golden("two_servers_8", 1)))
+
+
+# --------------------------------------------------------------------------- properties
+
+IPS = ("192.1.10.254", "192.1.10.1", "10.0.0.7", "172.16.3.4", "fe80::1")
+PLAIN_NAMES = ("ps", "launcher", "main", "worker-a", "chief")
+
+
+def count_field(draw, value):
+    """A declared count: omitted (None), a string, or an int."""
+    return draw(st.sampled_from((None, str(value), value)))
+
+
+@st.composite
+def template_twos(draw):
+    """Valid template-two documents: servers may host several pods, whose device ids never collide."""
+    servers = [f"10.{k}.0.1" for k in range(draw(st.integers(1, 6)))]
+    free = {server: list(range(16)) for server in servers}
+    groups = []
+    for g in range(draw(st.integers(0, 4))):
+        without_devices = draw(st.sampled_from((True, False, False, False)))
+        naming = draw(st.sampled_from(("indexed", "indexed", "plain", "mixed")))
+        instances = []
+        for _ in range(draw(st.integers(0, 5))):
+            server = draw(st.sampled_from(servers))
+            ids = [] if without_devices or not free[server] else draw(
+                st.lists(st.sampled_from(free[server]), unique=True, max_size=8))
+            free[server] = [d for d in free[server] if d not in ids]
+            indexed = naming == "indexed" or (naming == "mixed" and draw(st.booleans()))
+            pod = f"job-g{g}-worker-{draw(st.integers(0, 30))}" if indexed else \
+                f"job-g{g}-{draw(st.sampled_from(PLAIN_NAMES))}"
+            devices = [{"device_id": draw(st.sampled_from((d, str(d)))), "device_ip": draw(st.sampled_from(IPS))}
+                       for d in ids]
+            instances.append({"devices": devices, "pod_name": pod, "server_id": server})
+        group = {"group_name": f"job-g{g}", "instance_list": instances}
+        for name, value in (("instance_count", len(instances)),
+                            ("device_count", sum(len(i["devices"]) for i in instances))):
+            declared = count_field(draw, value)
+            if declared is not None:
+                group[name] = declared
+        groups.append(group)
+    document = {"group_list": groups, "status": "completed"}
+    declared = count_field(draw, len(groups))
+    if declared is not None:
+        document["group_count"] = declared
+    return document
+
+
+def oracle(document):
+    """The rank rule, written out: (server_id, device id) -> rank."""
+    ranks, next_rank = {}, 0
+    for group in document["group_list"]:
+        instances = group["instance_list"]
+        found = [re.search(r"(\d+)$", i["pod_name"]) for i in instances]
+        order = list(range(len(instances)))
+        if all(found):
+            order.sort(key=lambda k: int(found[k].group(1)))
+        for k in order:
+            for device in instances[k]["devices"]:
+                ranks[(instances[k]["server_id"], str(device["device_id"]))] = next_rank
+                next_rank += 1
+    return ranks
+
+
+PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(template_twos())
+def test_conversion_follows_the_rank_rule(document):
+    ranked = ranktable.convert(ranktable.parse_template_two(document, "t2"))
+    table = ranked.template_one()
+    devices = [d for i in document["group_list"] for p in i["instance_list"] for d in p["devices"]]
+    assert sorted(int(d["rank_id"]) for s in table["server_list"] for d in s["device"]) == list(range(len(devices)))
+    assert ranked.rank_size == len(devices)
+    assert table_rank_map(table) == rank_map(ranked) == oracle(document)
+    assert all_strings(table) and table["version"] == "1.0"
+    servers = [s["server_id"] for s in table["server_list"]]
+    assert int(table["server_count"]) == len(servers) == len(set(servers))
+
+
+@PROPERTY
+@given(template_twos())
+def test_conversion_keeps_every_device(document):
+    table = ranktable.convert(ranktable.parse_template_two(document, "t2")).template_one()
+    before = collections.Counter((str(d["device_id"]), d["device_ip"])
+                                 for g in document["group_list"] for i in g["instance_list"] for d in i["devices"])
+    after = collections.Counter((d["device_id"], d["device_ip"]) for s in table["server_list"] for d in s["device"])
+    assert after == before
+
+
+@PROPERTY
+@given(template_twos())
+def test_conversion_is_deterministic(document):
+    first = ranktable.read_any(json.dumps(document), "t2").template_one()
+    again = ranktable.read_any(json.dumps(copy.deepcopy(document), indent=2), "t2").template_one()
+    assert json.dumps(first) == json.dumps(again)
+
+
+@PROPERTY
+@given(template_twos())
+def test_template_one_output_reads_back_with_the_same_ranks(document):
+    ranked = ranktable.read_any(json.dumps(document), "t2")
+    again = ranktable.read_any(json.dumps(ranked.template_one()), "t1")
+    assert rank_map(again) == rank_map(ranked)
+    assert again.rank_size == ranked.rank_size
+    assert again.template_one() == ranked.template_one()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def template_two():
+    """One group, two pods: pod 1 has three devices (so `devices[2]` exists)."""
+    return {
+        "group_count": "1",
+        "group_list": [{
+            "device_count": "5",
+            "group_name": "job-worker",
+            "instance_count": "2",
+            "instance_list": [
+                {"devices": [{"device_id": str(d), "device_ip": f"192.1.0.{10 + d}"} for d in range(2)],
+                 "pod_name": "job-worker-0", "server_id": "10.0.0.1"},
+                {"devices": [{"device_id": str(d), "device_ip": f"192.1.1.{10 + d}"} for d in range(3)],
+                 "pod_name": "job-worker-1", "server_id": "10.0.0.2"},
+            ],
+        }],
+        "status": "completed",
+    }
+
+
+def template_one():
+    return {
+        "server_count": "2",
+        "server_list": [
+            {"device": [{"device_id": "0", "device_ip": "192.1.0.10", "rank_id": "0"},
+                        {"device_id": "1", "device_ip": "192.1.0.11", "rank_id": "1"}],
+             "server_id": "10.0.0.1"},
+            {"device": [{"device_id": "0", "device_ip": "192.1.1.10", "rank_id": "2"}], "server_id": "10.0.0.2"},
+        ],
+        "status": "completed",
+        "version": "1.0",
+    }
+
+
+def device(doc, instance, index):
+    return doc["group_list"][0]["instance_list"][instance]["devices"][index]
+
+
+def pod(doc, instance):
+    return doc["group_list"][0]["instance_list"][instance]
+
+
+def two_with(setter):
+    doc = template_two()
+    setter(doc)
+    return doc
+
+
+TWO_INVALID = [
+    # wrong types
+    (lambda d: d.update(group_list={}), "group_list: expected a list, got an object"),
+    (lambda d: d["group_list"].__setitem__(0, []), "group_list[0]: expected an object, got a list"),
+    (lambda d: d["group_list"][0]["instance_list"].__setitem__(1, "pod"),
+     "group_list[0].instance_list[1]: expected an object, got a string"),
+    (lambda d: pod(d, 0).update(devices={"device_id": "0"}),
+     "group_list[0].instance_list[0].devices: expected a list, got an object"),
+    (lambda d: device(d, 1, 2).update(device_ip={"ip": "1.2.3.4"}),
+     "group_list[0].instance_list[1].devices[2].device_ip: expected a string, got an object"),
+    (lambda d: device(d, 1, 2).update(device_id=True),
+     "group_list[0].instance_list[1].devices[2].device_id: expected a string, got a boolean"),
+    (lambda d: device(d, 0, 0).update(device_id=1.5),
+     "group_list[0].instance_list[0].devices[0].device_id: expected a string, got a number"),
+    (lambda d: pod(d, 1).update(server_id=None),
+     "group_list[0].instance_list[1].server_id: expected a string, got null"),
+    (lambda d: pod(d, 0).update(pod_name=["job-worker-0"]),
+     "group_list[0].instance_list[0].pod_name: expected a string, got a list"),
+    (lambda d: d.update(status=False), "status: expected a string, got a boolean"),
+    (lambda d: d.update(group_count=True), "group_count: expected a string, got a boolean"),
+    # missing fields
+    (lambda d: d.pop("status"), "status: missing"),
+    (lambda d: d["group_list"][0].pop("instance_list"), "group_list[0].instance_list: missing"),
+    (lambda d: pod(d, 0).pop("pod_name"), "group_list[0].instance_list[0].pod_name: missing"),
+    (lambda d: pod(d, 1).pop("server_id"), "group_list[0].instance_list[1].server_id: missing"),
+    (lambda d: pod(d, 1).pop("devices"), "group_list[0].instance_list[1].devices: missing"),
+    (lambda d: device(d, 1, 2).pop("device_ip"), "group_list[0].instance_list[1].devices[2].device_ip: missing"),
+    (lambda d: device(d, 0, 1).pop("device_id"), "group_list[0].instance_list[0].devices[1].device_id: missing"),
+    # bad values
+    (lambda d: device(d, 1, 2).update(device_id="0"),
+     "group_list[0].instance_list[1].devices[2].device_id: device 0 is listed twice (also at devices[0])"),
+    (lambda d: device(d, 1, 2).update(device_id=1),
+     "group_list[0].instance_list[1].devices[2].device_id: device 1 is listed twice (also at devices[1])"),
+    (lambda d: device(d, 1, 2).update(device_ip="x"),
+     "group_list[0].instance_list[1].devices[2].device_ip: 'x' is not an IP address"),
+    (lambda d: device(d, 0, 0).update(device_ip="192.1.0.256"),
+     "group_list[0].instance_list[0].devices[0].device_ip: '192.1.0.256' is not an IP address"),
+    (lambda d: pod(d, 1).update(server_id="node-1"),
+     "group_list[0].instance_list[1].server_id: 'node-1' is not an IP address"),
+    (lambda d: device(d, 0, 0).update(device_id="npu0"),
+     "group_list[0].instance_list[0].devices[0].device_id: expected a non-negative integer, got 'npu0'"),
+    (lambda d: device(d, 0, 0).update(device_id=-1),
+     "group_list[0].instance_list[0].devices[0].device_id: expected a non-negative integer, got '-1'"),
+    # counts that disagree
+    (lambda d: d.update(group_count="2"), "group_count: says 2, but there are 1 groups"),
+    (lambda d: d.update(group_count=0), "group_count: says 0, but there are 1 groups"),
+    (lambda d: d["group_list"][0].update(instance_count="3"),
+     "group_list[0].instance_count: says 3, but there are 2 instances"),
+    (lambda d: d["group_list"][0].update(device_count="4"),
+     "group_list[0].device_count: says 4, but there are 5 devices"),
+    (lambda d: d["group_list"][0].update(device_count="0"),
+     "group_list[0].device_count: says 0, but there are 5 devices"),
+    (lambda d: d.update(group_count="one"), "group_count: expected a non-negative integer, got 'one'"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", TWO_INVALID, ids=[m for _, m in TWO_INVALID])
+def test_invalid_template_two_names_the_json_path(mutate, message):
+    document = two_with(mutate)
+    with pytest.raises(RankTableError) as raised:
+        ranktable.read_any(json.dumps(document), "/user/config/jobstart_hccl.json")
+    assert str(raised.value) == f"/user/config/jobstart_hccl.json: {message}"
+    assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION == 78
+    assert raised.value.stage == "ranktable"
+
+
+def one_with(setter):
+    doc = template_one()
+    setter(doc)
+    return doc
+
+
+def t1_device(doc, server, index):
+    return doc["server_list"][server]["device"][index]
+
+
+ONE_INVALID = [
+    (lambda d: t1_device(d, 1, 0).update(rank_id="1"),
+     "server_list[1].device[0].rank_id: rank 1 is given twice (also at server_list[0].device[1].rank_id)"),
+    (lambda d: t1_device(d, 1, 0).update(rank_id=0),
+     "server_list[1].device[0].rank_id: rank 0 is given twice (also at server_list[0].device[0].rank_id)"),
+    (lambda d: t1_device(d, 1, 0).update(rank_id="3"), "server_list: ranks must be 0..2, but 2 is missing"),
+    (lambda d: [t1_device(d, s, i).update(rank_id=str(r + 1)) for s, i, r in ((0, 0, 0), (0, 1, 1), (1, 0, 2))],
+     "server_list: ranks must be 0..2, but 0 is missing"),
+    (lambda d: t1_device(d, 0, 1).pop("rank_id"), "server_list[0].device[1].rank_id: missing"),
+    (lambda d: t1_device(d, 0, 1).update(rank_id="-1"),
+     "server_list[0].device[1].rank_id: expected a non-negative integer, got '-1'"),
+    (lambda d: t1_device(d, 0, 1).update(rank_id=None),
+     "server_list[0].device[1].rank_id: expected a string, got null"),
+    (lambda d: d.update(server_count="3"), "server_count: says 3, but there are 2 servers"),
+    (lambda d: d["server_list"][1].update(device={}), "server_list[1].device: expected a list, got an object"),
+    (lambda d: d["server_list"][1].update(server_id="abc"), "server_list[1].server_id: 'abc' is not an IP address"),
+    (lambda d: t1_device(d, 0, 0).update(device_ip="::g"),
+     "server_list[0].device[0].device_ip: '::g' is not an IP address"),
+    (lambda d: d.update(server_list="10.0.0.1"), "server_list: expected a list, got a string"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", ONE_INVALID, ids=[m for _, m in ONE_INVALID])
+def test_invalid_template_one_names_the_json_path(mutate, message):
+    with pytest.raises(RankTableError) as raised:
+        ranktable.read_any(json.dumps(one_with(mutate)), "rt.json")
+    assert str(raised.value) == f"rt.json: {message}"
+
+
+def test_duplicate_device_in_a_template_one_server_is_refused():
+    document = one_with(lambda d: t1_device(d, 0, 1).update(device_id="0"))
+    pattern = r"rt\.json: server_list\[0\]\.devices?\[1\]\.device_id: device 0 is listed twice"
+    with pytest.raises(RankTableError, match=pattern):
+        ranktable.read_any(json.dumps(document), "rt.json")
+
+
+def test_duplicate_device_in_a_template_one_server_names_the_device_key():
+    document = one_with(lambda d: t1_device(d, 0, 1).update(device_id="0"))
+    with pytest.raises(RankTableError, match=r"server_list\[0\]\.device\[1\]\.device_id"):
+        ranktable.read_any(json.dumps(document), "rt.json")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"group_list": [', "t.json: not valid JSON ("),
+        ("", "t.json: not valid JSON ("),
+        ("[1, 2]", "t.json: $: expected an object, got a list"),
+        ('"completed"', "t.json: $: expected an object, got a string"),
+        ('{"status": "completed"}', "t.json: $: neither template: no group_list (template two) or server_list"),
+    ],
+)
+def test_malformed_documents(text, message):
+    with pytest.raises(RankTableError) as raised:
+        ranktable.read_any(text, "t.json")
+    assert str(raised.value).startswith(message)
+
+
+def test_template_one_is_kept_as_given():
+    document = template_one()
+    assert ranktable.read_any(json.dumps(document), "t1").template_one() == document
+
+
+def test_template_one_with_int_ranks_reads_as_strings():
+    document = one_with(lambda d: [t1_device(d, s, i).update(rank_id=r, device_id=int(t1_device(d, s, i)["device_id"]))
+                                   for s, i, r in ((0, 0, 0), (0, 1, 1), (1, 0, 2))])
+    assert ranktable.read_any(json.dumps(document), "t1").template_one() == template_one()
+
+
+@pytest.mark.parametrize("field", ["group_count", "device_id"])
+def test_unicode_digits_are_a_rank_table_error(field):
+    document = template_two()
+    if field == "group_count":
+        document["group_count"] = "\u00b2"
+    else:
+        device(document, 0, 0)["device_id"] = "\u00b2"
+    with pytest.raises(RankTableError):
+        ranktable.read_any(json.dumps(document), "t2")
+
+
+# --------------------------------------------------------------------------- locating and looking
+
+
+def test_locate_appends_the_file_name_to_a_directory(tmp_path):
+    assert ranktable.locate(str(tmp_path)) == tmp_path / "jobstart_hccl.json"
+    (tmp_path / "looks.json").mkdir()
+    assert ranktable.locate(str(tmp_path / "looks.json")) == tmp_path / "looks.json" / "jobstart_hccl.json"
+
+
+def test_locate_treats_a_missing_path_without_json_suffix_as_a_directory(tmp_path):
+    assert ranktable.locate(str(tmp_path / "config")) == tmp_path / "config" / "jobstart_hccl.json"
+    assert ranktable.locate("/user/config") == Path("/user/config/jobstart_hccl.json")
+
+
+def test_locate_keeps_a_json_file_path(tmp_path):
+    assert ranktable.locate(str(tmp_path / "rank_table.json")) == tmp_path / "rank_table.json"
+    assert ranktable.locate("/user/config/jobstart_hccl.json") == Path("/user/config/jobstart_hccl.json")
+
+
+@pytest.mark.parametrize(
+    "content, state",
+    [
+        (None, "missing"),
+        (b"", "empty"),
+        (b"  \n", "empty"),
+        (b'{"status": "initial', "incomplete JSON"),
+        (b'{"status": "initializing", "group_list": []}', "status='initializing'"),
+        (b'{"group_list": []}', "no status"),
+        (b"[]", "no status"),
+        (b'{"status": "completed", "group_list": []}', "completed"),
+        (b"\xff\xfe", "unreadable (UnicodeDecodeError)"),
+    ],
+)
+def test_look_names_what_it_found(tmp_path, content, state):
+    path = tmp_path / "jobstart_hccl.json"
+    if content is not None:
+        path.write_bytes(content)
+    seen = ranktable.look(path)
+    assert seen.state == state
+    if state in ("completed", "incomplete JSON", "status='initializing'"):
+        assert seen.text == content.decode()
+
+
+def test_look_at_a_directory(tmp_path):
+    assert ranktable.look(tmp_path).state == "a directory"
+
+
+# --------------------------------------------------------------------------- waiting, on a fake clock
+
+
+class FakeTime:
+    """clock() and sleep() for `wait`: sleeping advances the clock and runs the file changes due by then."""
+
+    def __init__(self, changes=()):
+        self.now = 0.0
+        self.sleeps = []
+        self.changes = sorted(changes, key=lambda change: change[0])
+
+    def clock(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert seconds >= 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+        while self.changes and self.changes[0][0] <= self.now:
+            self.changes.pop(0)[1]()
+
+
+INITIALIZING = json.dumps({**json.loads(golden("platform_example", 2)), "status": "initializing"})
+COMPLETED = golden("platform_example", 2)
+
+
+def test_wait_logs_progress_and_times_out_saying_what_it_saw_last(tmp_path):
+    path, log, fake = tmp_path / "jobstart_hccl.json", Log(), FakeTime()
+    with pytest.raises(RankTableTimeout) as raised:
+        ranktable.wait(path, 25, log, poll=0.5, progress=10, clock=fake.clock, sleep=fake.sleep)
+    assert str(raised.value) == f"rank table {path} not completed after 25 s; last seen: missing"
+    assert raised.value.exit_code == ExitCode.TIMED_OUT == 81 and raised.value.stage == "ranktable"
+    assert log.fields("rank table waiting") == [
+        {"path": str(path), "seen": "missing", "elapsed_s": 10.0, "remaining_s": 15.0},
+        {"path": str(path), "seen": "missing", "elapsed_s": 20.0, "remaining_s": 5.0},
+    ]
+    assert fake.now == 25.0 and max(fake.sleeps) == 0.5
+
+
+def test_wait_tolerates_missing_empty_and_half_written_files(tmp_path):
+    path, log = tmp_path / "jobstart_hccl.json", Log()
+    fake = FakeTime([
+        (1.0, lambda: path.write_text("")),
+        (2.0, lambda: path.write_text(COMPLETED[: len(COMPLETED) // 2])),
+        (3.0, lambda: path.write_text(INITIALIZING)),
+        (4.0, lambda: path.write_text(COMPLETED[:-20])),
+        (5.0, lambda: path.write_text(COMPLETED)),
+    ])
+    text = ranktable.wait(path, 60, log, poll=0.5, progress=1.0, clock=fake.clock, sleep=fake.sleep)
+    assert text == COMPLETED and fake.now == 5.0
+    assert [f["seen"] for f in log.fields("rank table waiting")] == [
+        "empty", "incomplete JSON", "status='initializing'", "incomplete JSON"]
+    assert [f["elapsed_s"] for f in log.fields("rank table waiting")] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_wait_times_out_naming_the_status_it_last_saw(tmp_path):
+    path = tmp_path / "jobstart_hccl.json"
+    path.write_text(INITIALIZING)
+    fake = FakeTime()
+    with pytest.raises(RankTableTimeout, match=r"not completed after 1\.5 s; last seen: status='initializing'$"):
+        ranktable.wait(path, 1.5, Log(), clock=fake.clock, sleep=fake.sleep)
+
+
+def test_wait_returns_at_once_when_already_completed(tmp_path):
+    path, log, fake = tmp_path / "jobstart_hccl.json", Log(), FakeTime()
+    path.write_text(COMPLETED)
+    assert ranktable.wait(path, 0, log, clock=fake.clock, sleep=fake.sleep) == COMPLETED
+    assert fake.sleeps == [] and log.records == []
+
+
+def test_wait_never_sleeps_past_the_deadline(tmp_path):
+    fake = FakeTime()
+    with pytest.raises(RankTableTimeout):
+        ranktable.wait(tmp_path / "absent.json", 1.25, Log(), poll=0.5, clock=fake.clock, sleep=fake.sleep)
+    assert fake.sleeps == [0.5, 0.5, 0.25]
+
+
+def test_wait_with_zero_timeout_fails_without_sleeping(tmp_path):
+    fake = FakeTime()
+    with pytest.raises(RankTableTimeout, match="last seen: missing"):
+        ranktable.wait(tmp_path / "absent.json", 0, Log(), clock=fake.clock, sleep=fake.sleep)
+    assert fake.sleeps == []
+
+
+# --------------------------------------------------------------------------- this node
+
+
+FOUR_ORDER = (2, 0, 3, 1)  # file order of the pods
+PHYSICAL = {0: list(range(8)), 1: list(range(15, 7, -1)), 2: list(range(8)), 3: [3, 1, 7, 5, 0, 2, 6, 4]}
+
+
+def four_servers():
+    """Four pods of eight devices, listed out of order; pod 1 has physical ids 15..8, pod 3 a shuffle of 0..7."""
+    instances = [{"devices": [{"device_id": str(d), "device_ip": f"192.9.{p}.{d}"} for d in PHYSICAL[p]],
+                  "pod_name": f"job9-worker-{p}", "server_id": f"10.9.0.{p + 1}"} for p in FOUR_ORDER]
+    document = {"group_count": "1", "group_list": [{"device_count": "32", "group_name": "job-worker",
+                                                    "instance_count": "4", "instance_list": instances}],
+                "status": "completed"}
+    return ranktable.read_any(json.dumps(document), "four.json")
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_each_task_index_gets_its_server_ranks_and_logical_ids(index):
+    view = ranktable.node_view(four_servers(), {"VC_TASK_INDEX": str(index)})
+    assert (view.server_id, view.pod_name, view.matched_by) == (f"10.9.0.{index + 1}", f"job9-worker-{index}",
+                                                               "VC_TASK_INDEX")
+    assert [d.rank_id for d in view.devices] == list(range(8 * index, 8 * index + 8))
+    assert [d.device_id for d in view.devices] == [str(p) for p in PHYSICAL[index]]
+    assert sorted(d.logical_id for d in view.devices) == list(range(8))
+    ascending = sorted(PHYSICAL[index])
+    assert all(d.logical_id == ascending.index(int(d.device_id)) for d in view.devices)
+    assert all(d.device_ip == f"192.9.{index}.{d.device_id}" for d in view.devices)
+    assert view.rank_size == 32
+
+
+def test_logical_ids_follow_physical_order_not_rank_order():
+    devices = ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "1"}).devices
+    assert [(d.rank_id, d.device_id, d.logical_id) for d in devices][:2] == [(8, "15", 7), (9, "14", 6)]
+
+
+@pytest.mark.parametrize("name", ["MA_TASK_INDEX", "VK_TASK_INDEX"])
+def test_task_index_fallbacks(name):
+    view = ranktable.node_view(four_servers(), {name: "2"})
+    assert view.server_id == "10.9.0.3" and view.matched_by == "VC_TASK_INDEX"
+
+
+def test_vc_task_index_comes_before_its_fallbacks():
+    assert ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "3", "MA_TASK_INDEX": "0"}).server_id == "10.9.0.4"
+
+
+@pytest.mark.parametrize(
+    "environ, hostname",
+    [
+        ({"MA_CURRENT_INSTANCE_NAME": "job9-worker-3", "HOSTNAME": "job9-worker-0", "VC_TASK_INDEX": "0"}, ""),
+        ({"HOSTNAME": "job9-worker-3", "VC_TASK_INDEX": "0"}, "job9-worker-1"),
+        ({"VC_TASK_INDEX": "0"}, "job9-worker-3"),
+    ],
+)
+def test_pod_name_match_comes_first(environ, hostname):
+    view = ranktable.node_view(four_servers(), environ, hostname)
+    assert (view.server_id, view.matched_by) == ("10.9.0.4", "pod name")
+    assert [d.rank_id for d in view.devices] == list(range(24, 32))
+
+
+def test_current_ip_match_comes_before_task_index():
+    view = ranktable.node_view(four_servers(), {"MA_CURRENT_IP": "10.9.0.3", "VC_TASK_INDEX": "0",
+                                                "HOSTNAME": "not-a-pod"})
+    assert (view.server_id, view.matched_by) == ("10.9.0.3", "MA_CURRENT_IP")
+
+
+def test_current_ip_shared_by_two_pods_falls_back_to_task_index():
+    ranked = ranktable.read_any(golden("shared_server", 2), "shared")
+    view = ranktable.node_view(ranked, {"MA_CURRENT_IP": "10.5.0.1", "VC_TASK_INDEX": "2"})
+    assert (view.pod_name, view.matched_by) == ("job5-worker-2", "VC_TASK_INDEX")
+    assert [d.rank_id for d in view.devices] == [4, 5]
+
+
+def test_template_one_matches_by_current_ip():
+    ranked = ranktable.read_any(golden("two_servers_8", 1), "t1")
+    view = ranktable.node_view(ranked, {"MA_CURRENT_IP": "172.16.0.11"})
+    assert view.matched_by == "MA_CURRENT_IP" and view.pod_name is None
+    assert [d.rank_id for d in view.devices] == list(range(8, 16))
+
+
+def test_more_gpus_wanted_than_the_node_has_is_an_error():
+    with pytest.raises(RankTableError, match=r"MA_NUM_GPUS=16, but the rank table gives this node \(10\.9\.0\.1\) 8"):
+        ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "0", "MA_NUM_GPUS": "16"})
+    assert len(ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "0", "MA_NUM_GPUS": "8"}).devices) == 8
+
+
+def test_a_node_not_in_the_table_is_an_error():
+    environ = {"VC_TASK_INDEX": "9", "HOSTNAME": "elsewhere-0", "MA_CURRENT_IP": "10.99.0.1"}
+    with pytest.raises(RankTableError) as raised:
+        ranktable.node_view(four_servers(), environ, "elsewhere")
+    message = str(raised.value)
+    assert "not in the rank table" in message and "elsewhere-0" in message and "10.99.0.1" in message
+    assert "VC_TASK_INDEX=9" in message and "4 pod(s)" in message
+    assert raised.value.exit_code == 78
+
+
+def test_no_hints_at_all_is_an_error():
+    with pytest.raises(RankTableError, match=r"VC_TASK_INDEX=\(unset\)"):
+        ranktable.node_view(four_servers(), {})
+
+
+# --------------------------------------------------------------------------- the stage in `ma-runtime run`
+
+
+def spec_for(tmp_path, source, wait="auto", timeout=5.0):
+    return SimpleNamespace(ranktable_wait=wait, ranktable_file=source, ranktable_timeout=timeout,
+                           state_dir=tmp_path / "mount" / ".ma-runtime")
+
+
+def test_prepare_writes_template_one_and_gives_the_workers_its_path(tmp_path):
+    source = tmp_path / "config"
+    source.mkdir()
+    (source / "jobstart_hccl.json").write_text(golden("two_servers_8", 2))
+    log = Log()
+    prepared = ranktable.prepare(spec_for(tmp_path, source), {"VC_TASK_INDEX": "1"}, log)
+    target = tmp_path / "mount" / ".ma-runtime" / "rank_table" / "jobstart_hccl.json"
+    assert prepared.path == target and prepared.source == source / "jobstart_hccl.json"
+    assert json.loads(target.read_text()) == json.loads(golden("two_servers_8", 1))
+    assert prepared.env == {"RANK_TABLE_FILE": str(target), "RANK_SIZE": "16"}
+    assert [p.name for p in source.iterdir()] == ["jobstart_hccl.json"]
+    assert (source / "jobstart_hccl.json").read_text() == golden("two_servers_8", 2)
+    assert [p.name for p in target.parent.iterdir()] == ["jobstart_hccl.json"]
+    assert log.fields("rank table wait started") == [{"path": str(source / "jobstart_hccl.json"), "timeout_s": 5.0}]
+    (ready,) = log.fields("rank table ready")
+    assert ready["ranks"] == "8,9,10,11,12,13,14,15" and ready["server_id"] == "172.16.0.11"
+    assert ready["rank_size"] == 16 and ready["servers"] == "2" and ready["matched_by"] == "VC_TASK_INDEX"
+
+
+@pytest.mark.parametrize("wait, configured", [("off", True), ("auto", False)])
+def test_prepare_does_nothing_when_off_or_unset(tmp_path, wait, configured):
+    spec = spec_for(tmp_path, tmp_path / "absent" if configured else None, wait=wait)
+    assert ranktable.prepare(spec, {"VC_TASK_INDEX": "0"}, Log()) is None
+    assert not (tmp_path / "mount").exists()
+
+
+def test_prepare_times_out_on_a_missing_table(tmp_path):
+    with pytest.raises(RankTableTimeout, match="last seen: missing"):
+        ranktable.prepare(spec_for(tmp_path, tmp_path / "config", timeout=0), {"VC_TASK_INDEX": "0"}, Log())
+
+
+# --- pods sharing a host, pods without devices, a local run, the file's layout ----------------------
+
+
+def test_two_pods_on_one_host_listing_the_same_device_are_refused():
+    document = template_two()
+    pod(document, 1)["server_id"] = "10.0.0.1"  # both pods on one host, both with devices 0 and 1
+    with pytest.raises(RankTableError, match=r"pods job-worker-0 and job-worker-1 both list device 0 of server "
+                                             r"10\.0\.0\.1"):
+        ranktable.read_any(json.dumps(document), "rt.json")
+
+
+def test_a_pod_without_devices_is_its_own_node_and_not_in_template_one():
+    document = {
+        "group_count": "2", "status": "completed",
+        "group_list": [
+            {"device_count": "0", "group_name": "ps", "instance_count": "1",
+             "instance_list": [{"devices": [], "pod_name": "job-ps-0", "server_id": "10.0.0.1"}]},
+            {"device_count": "1", "group_name": "worker", "instance_count": "1",
+             "instance_list": [{"devices": [{"device_id": "3", "device_ip": "192.1.0.3"}],
+                                "pod_name": "job-worker-0", "server_id": "10.0.0.2"}]},
+        ],
+    }
+    ranked = ranktable.read_any(json.dumps(document), "rt.json")
+
+    view = ranktable.node_view(ranked, {"HOSTNAME": "job-ps-0", "MA_CURRENT_IP": "10.0.0.1", "VC_TASK_INDEX": "0"})
+
+    assert (view.pod_name, view.devices, view.rank_size) == ("job-ps-0", (), 1)
+    assert [server["server_id"] for server in ranked.template_one()["server_list"]] == ["10.0.0.2"]
+
+
+def test_a_local_run_without_a_task_index_takes_the_only_pod():
+    ranked = ranktable.read_any(json.dumps(template_two()), "rt.json")
+    single = ranktable.Ranked(ranked.instances[:1])
+    assert ranktable.node_view(single, {}).matched_by == "the only pod"
+    with pytest.raises(RankTableError, match="not in the rank table"):
+        ranktable.node_view(ranked, {})  # two pods: no guessing
+
+
+def test_the_written_layout_is_the_same_json_with_one_server_per_line():
+    document = ranktable.read_any(json.dumps(template_two()), "rt.json").template_one()
+    text = ranktable.layout(document)
+    assert json.loads(text) == document
+    assert [line.strip()[:12] for line in text.splitlines() if "server_id" in line] == ['{"device": [', '{"device": [']
