@@ -25,7 +25,6 @@ with `rank_id`). Decisions (README, "Rank table"):
 """
 
 import dataclasses
-import ipaddress
 import json
 import os
 import re
@@ -182,6 +181,8 @@ class _Reader:
         try:
             socket.inet_pton(socket.AF_INET, value)  # 10x faster than ipaddress on 65 536 devices
         except (OSError, ValueError):
+            import ipaddress  # here: `ma-run` without a rank table never pays for it
+
             try:
                 ipaddress.ip_address(value)  # IPv6, and the slow path's exact rules
             except ValueError:
