@@ -1,14 +1,26 @@
 """`ma-runtime run`: the flow of DESIGN.md, read top to bottom like tini's main()."""
 
+import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, logs, ranktable, termination
+from ma_runtime import __version__, logs, ranktable, stagein, termination
 from ma_runtime import spec as spec_module
-from ma_runtime.errors import Category, ConfigError, ExitCode, PreflightFailed, RuntimeFailure
+from ma_runtime.errors import (
+    Category,
+    ConfigError,
+    ExitCode,
+    LaunchTimedOut,
+    PreflightFailed,
+    RuntimeFailure,
+    exit_code_of_status,
+)
+from ma_runtime.launch import failures
+from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch.args import build_argv
 from ma_runtime.output import Sink, tail_of
 from ma_runtime.redact import Masker
@@ -47,7 +59,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         rank_table = ranktable.prepare(spec, os.environ, log)
         if rank_table is not None:
             staged.env.update(rank_table.env)
-        return _run_command(spec, command, context, staged)
+        return _run_command(spec, command, context, staged, rank_table)
     except RuntimeFailure as failure:
         return context.fail(failure)
     except Exception as exc:  # a bug of ours: still one line, a code, and a message
@@ -160,6 +172,39 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     return ExitCode.OK if report.ok else ExitCode.PREFLIGHT_FAILED
 
 
+def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], as_json: bool) -> int:
+    """`ma-runtime plan`: what `run` would start, on stdout; nothing is started or downloaded."""
+    masker = Masker.from_environ()
+    logs.configure(_early_log_format(), masker=masker)
+    log = logs.get_logger()
+    try:
+        spec = spec_module.load(flags, os.environ, config_file)
+        if not command:
+            raise ConfigError("no command given", hint="usage: ma-runtime plan [--json] [OPTIONS] [--] CMD...")
+        logs.configure(spec.log_format, spec.log_level, masker)
+        staged = stagein.planned(spec)
+        argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
+        context = plan_module.Context(argv, os.environ, ranktable.peek(spec, os.environ), _resolve_once)
+        plan = plan_module.build(spec, context)
+    except RuntimeFailure as failure:
+        return _tool_failure(log, failure)
+    except Exception as exc:  # a bug of ours: still one line and a code
+        return _tool_failure(log, RuntimeFailure(f"internal error: {type(exc).__name__}: {exc}"))
+    document = masker.data(plan.to_dict())
+    sys.stdout.write(json.dumps(document, indent=2) + "\n" if as_json else plan_module.render(document))
+    return ExitCode.OK
+
+
+def _resolve_once(host: str) -> str:
+    """One lookup, no waiting: a plan shows the host name when it does not resolve yet."""
+    import socket
+
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return host
+
+
 def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int:
     """`ma-runtime ranktable wait`: the table's path on stdout once it says completed."""
     log, spec = _tool_setup()
@@ -222,11 +267,14 @@ def _tool_failure(log, failure: RuntimeFailure) -> int:
     return int(failure.exit_code)
 
 
-def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged) -> int:
+def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged,
+                 rank_table: Optional[ranktable.Prepared] = None) -> int:
     log = logs.get_logger()
     run_id = os.urandom(6).hex()
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (§12 item 21).
     argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
+    resolve = functools.partial(_resolve_until, seconds=spec.master_resolve_seconds)
+    plan = plan_module.build(spec, plan_module.Context(argv, os.environ, rank_table, resolve))
     pid1 = is_pid1()
     # First, so that a SIGTERM from now on is queued for the command, not lost
     # (PID 1 ignores signals it has no handler for).
@@ -240,28 +288,83 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
         log.info(
             "starting command",
             version=__version__,
-            argv=argv,
+            argv=list(plan.workers[0].argv),
+            method=plan.method,
+            processes=len(plan.workers),
             pid1=pid1,
             run_id=run_id,
             attempt=spec.proc_start_cnt,
             task_log=str(spec.task_log_path),
         )
-        worker = spawn(
-            argv,
-            {**_worker_env(spec, run_id), **staged.env},
-            cwd=None,
-            stdout_sinks=[Sink(1, "<stdout>"), context.task_log],
-            stderr_sinks=[logs.stderr_sink(), context.task_log],
-        )
+        base_env = {**_worker_env(spec, run_id), **staged.env}
+        workers = _spawn_all(plan, base_env, context)
         exclude = (guard.pid,) if guard else ()
-        outcome = Supervisor(worker, signals, spec.stop_grace_seconds, log, exclude).run()
+        outcome = Supervisor(workers if len(workers) > 1 else workers[0], signals, spec.stop_grace_seconds, log,
+                             exclude).run()
     finally:
         signals.close()
     # Only a normal end stands the guard down: if anything above raised, the
     # guard sees our pipe close at exit and kills whatever is still running.
     if guard:
         guard.stand_down()
-    return _finish(outcome, worker, context)
+    return _finish(outcome, outcome.worker or workers[0], context, plan)
+
+
+def _spawn_all(plan, base_env: Mapping[str, str], context: _Context) -> List[Worker]:
+    """One process per planned worker; several get a rank prefix on the console and in the task log, and a
+    proc log of their own with their raw lines."""
+    several = len(plan.workers) > 1
+    # One Sink object per destination, shared by every worker: its lock keeps lines whole across ranks.
+    stdout, stderr = Sink(1, "<stdout>"), logs.stderr_sink()
+    task_log = Sink(context.task_log.fd, context.task_log.name, console=True) if several else context.task_log
+    workers: List[Worker] = []
+    try:
+        for planned in plan.workers:
+            proc_log = _proc_log(planned)
+            extra = [proc_log] if proc_log else []
+            workers.append(spawn(
+                planned.argv,
+                {**base_env, **planned.env},
+                cwd=planned.cwd,
+                stdout_sinks=[stdout, task_log, *extra],
+                stderr_sinks=[stderr, task_log, *extra],
+                name=planned.name,
+                console_prefix=f"[{planned.name}] ".encode() if several else None,
+            ))
+    except BaseException:
+        for worker in workers:  # a later spawn failed: the ranks already started must not run alone
+            worker.signal_group(signal.SIGKILL)
+        raise
+    return workers
+
+
+def _proc_log(planned) -> Optional[Sink]:
+    path = planned.logs.get("proc")
+    if not path:
+        return None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return Sink.open_append(path)  # appended: a restart never overwrites the last attempt's lines
+    except OSError as exc:
+        raise ConfigError(f"cannot write the proc log {path}: {exc.strerror}") from None
+
+
+def _resolve_until(host: str, seconds: float) -> str:
+    """Worker-0's IP (msrun wants one): retried, since a node's DNS record can lag the pod's start."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LaunchTimedOut(
+                    f"worker-0's address {host} did not resolve within {seconds:g} s ({exc})",
+                    hint="check VC_WORKER_HOSTS and the cluster DNS; MA_RUNTIME_MASTER_RESOLVE_SECONDS sets the wait",
+                ) from None
+            time.sleep(1.0)
 
 
 def _worker_env(spec: spec_module.JobSpec, run_id: str) -> Dict[str, str]:
@@ -274,34 +377,55 @@ def _worker_env(spec: spec_module.JobSpec, run_id: str) -> Dict[str, str]:
     return env
 
 
-def _finish(outcome: Outcome, worker: Worker, context: _Context) -> int:
+def _finish(outcome: Outcome, worker: Worker, context: _Context, plan=None) -> int:
     log = logs.get_logger()
     signal_name = SIGNAL_NAMES.get(-outcome.returncode) if outcome.returncode < 0 else None
+    rank, exit_code = _failed_rank(outcome, worker, plan)
     log.info(
         "command exited",
-        exit_code=outcome.exit_code,
+        exit_code=exit_code,
         returncode=outcome.returncode,
         signal=signal_name,
         pid=worker.pid,
+        rank=rank,
         duration_s=round(outcome.duration, 3),
         leftovers=outcome.leftovers,
     )
-    split = sum(pump.lines_split for pump in worker.pumps)
+    split = sum(pump.lines_split for pump in worker.pumps)  # the deciding worker's; the others' are rare
     if split:
         log.warning("lines over the length limit were cut to bound memory", count=split)
-    if outcome.exit_code != 0:
+    if exit_code != 0:
         reason, category, hint = _explain(outcome, signal_name)
+        if rank is not None and outcome.stop_signal is None:
+            reason = f"rank {rank} failed first: {reason}"
         context.write_termination(
             stage="supervise",
             category=category,
-            exit_code=outcome.exit_code,
+            exit_code=exit_code,
             # The signal that explains the exit code: the stop request, if there was one.
             signal=_stop_name(outcome) or signal_name,
+            rank=rank,
             reason=reason,
             hint=hint,
             tail=_tail(worker),
         )
-    return outcome.exit_code
+    return exit_code
+
+
+def _failed_rank(outcome: Outcome, worker: Worker, plan) -> tuple:
+    """(rank that failed first or None, the job's exit code).
+
+    RTF: the worker that failed first. torchrun: the root cause its summary names, whose exit
+    code replaces torchrun's own 1 (a stop request keeps 128+N)."""
+    if outcome.exit_code == 0 or plan is None:
+        return None, outcome.exit_code
+    if plan.method == plan_module.TORCHRUN and outcome.stop_signal is None:
+        cause = failures.torchrun_root_cause(_tail(worker, 60))
+        if cause is not None:
+            return cause.rank, exit_code_of_status(cause.returncode) or outcome.exit_code
+    failed = getattr(outcome, "failed_worker", None)
+    ranks = {planned.name: planned.rank for planned in plan.workers}
+    return ranks.get(failed), outcome.exit_code
 
 
 def _stop_name(outcome: Outcome) -> Optional[str]:
@@ -330,8 +454,8 @@ def _explain(outcome: Outcome, signal_name: Optional[str]):
     return f"the command exited with code {outcome.exit_code}", Category.USER.value, "see the last lines of its output"
 
 
-def _tail(worker: Worker) -> List[str]:
-    return tail_of(worker.pumps, TAIL_LINES, prefer=worker.stderr_pump)
+def _tail(worker: Worker, lines: int = TAIL_LINES) -> List[str]:
+    return tail_of(worker.pumps, lines, prefer=worker.stderr_pump)
 
 
 def _early_log_format() -> str:

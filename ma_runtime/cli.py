@@ -54,6 +54,20 @@ def _run_parser(prog: str) -> _Parser:
     return parser
 
 
+def plan_main(argv: Sequence[str]) -> int:
+    parser = _run_parser("ma-runtime plan")
+    parser.usage = "ma-runtime plan [--json] [OPTIONS] [--] CMD..."
+    parser.description = ("Print the processes `ma-runtime run` would start for CMD (launcher, argv, environment "
+                          "added, working directory, log files), secrets masked; nothing is started or downloaded.")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ours, command = split_command(parser, argv)
+    options = parser.parse_args(ours)
+    flags = {s.name: getattr(options, s.name) for s in SETTINGS if getattr(options, s.name, None) is not None}
+    from ma_runtime import bootstrap
+
+    return bootstrap.plan_command(flags, options.config, command, options.json)
+
+
 def split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """(our options, the command): the command starts at `--` or at the first non-option."""
     i = 0
@@ -94,6 +108,8 @@ def _top_parser() -> _Parser:
     commands.add_parser("version", help="print the version and exit")
     commands.add_parser("preflight", help="run the node checks alone (same as ma-preflight)", add_help=False)
     commands.add_parser("ranktable", help="wait for the HCCL rank table, or convert it to template one",
+                        add_help=False)
+    commands.add_parser("plan", help="print the processes `run` would start for CMD, without starting them",
                         add_help=False)
     return parser
 
@@ -183,6 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return preflight_main(argv[1:], "ma-runtime preflight")
     if argv and argv[0] == "ranktable":
         return ranktable_main(argv[1:])
+    if argv and argv[0] == "plan":
+        return plan_main(argv[1:])
     options = _top_parser().parse_args(argv)
     if options.subcommand == "version":
         print(f"ma-runtime {__version__}")

@@ -69,6 +69,14 @@ def exit_code_of_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class LaunchTimedOut(RuntimeFailure):
+    """A launcher could not start in time: worker-0's address never resolved."""
+
+    exit_code = ExitCode.TIMED_OUT
+    category = Category.INFRASTRUCTURE
+    stage = "launch"
+
+
 class PreflightFailed(RuntimeFailure):
     """A bad node: the platform should reschedule the job elsewhere."""
 

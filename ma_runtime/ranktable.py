@@ -539,6 +539,19 @@ def prepare(spec, environ: Mapping[str, str], log) -> Optional[Prepared]:
     return Prepared(source, target, ranked, view)
 
 
+def peek(spec, environ: Mapping[str, str]) -> Optional[Prepared]:
+    """The rank table as `prepare` would give it, without waiting or writing (for `ma-runtime plan`)."""
+    if spec.ranktable_wait == "off" or spec.ranktable_file is None:
+        return None
+    source = locate(str(spec.ranktable_file))
+    seen = look(source)
+    if seen.state != COMPLETED:
+        raise RankTableError(f"rank table {source} is not completed yet (seen: {seen.state}); the plan needs it",
+                             hint="run `ma-runtime ranktable wait` first, or plan on the node once the job started")
+    ranked = read_any(seen.text, str(source))
+    return Prepared(source, converted_path(spec), ranked, node_view(ranked, environ, _hostname()))
+
+
 def _hostname() -> str:
     import socket
 

@@ -216,6 +216,22 @@ SETTINGS: Tuple[Setting, ...] = (
             "rank table when RANK_TABLE_FILE is set; off: leave it to the command", "auto", cli=False),
     Setting("ranktable_timeout", "MA_RUNTIME_RANKTABLE_TIMEOUT", _seconds, "how long to wait for the rank "
             "table's status=completed, seconds", 1800.0, cli=False),
+    Setting("run_method", "MA_RUN_METHOD", _choice(("rtf", "torchrun", "msrun", "plain")), "launch method: "
+            "torchrun, msrun, rtf (one process per NPU) or plain (once); unset: rtf on NPU jobs, else plain",
+            cli=False),
+    Setting("worker_hosts", "VC_WORKER_HOSTS", str, "the job's node domain names, comma-separated, worker-0 first",
+            "", cli=False),
+    Setting("torchrun_master_port", "MA_TORCHRUN_MASTER_PORT", _integer(1), "torchrun's --master_port on "
+            "multi-node jobs", 18888, cli=False),
+    Setting("extra_torchrun_params", "MA_EXTRA_TORCHRUN_PARAMS", str, "extra torchrun flags; one it names "
+            "replaces the preset one", "", cli=False),
+    Setting("ms_ranktable_enable", "MS_RANKTABLE_ENABLE", _switch, "give msrun --rank_table_file", False, cli=False),
+    Setting("msrun_cluster_time_out", "MSRUN_CLUSTER_TIME_OUT", _integer(1), "msrun's --cluster_time_out, seconds",
+            600, cli=False),
+    Setting("msrun_master_port", "MA_RUNTIME_MSRUN_MASTER_PORT", _integer(1), "msrun's --master_port (its own "
+            "default)", 8118, cli=False),
+    Setting("master_resolve_seconds", "MA_RUNTIME_MASTER_RESOLVE_SECONDS", _seconds, "how long to wait for "
+            "worker-0's name to resolve (msrun wants its IP)", 120.0, cli=False),
     Setting(
         "skip_image_detect",
         "MA_SKIP_IMAGE_DETECT",
@@ -285,6 +301,14 @@ class JobSpec:
     ranktable_file: Optional[Path]
     ranktable_wait: str
     ranktable_timeout: float
+    run_method: Optional[str]
+    worker_hosts: str
+    torchrun_master_port: int
+    extra_torchrun_params: str
+    ms_ranktable_enable: bool
+    msrun_cluster_time_out: int
+    msrun_master_port: int
+    master_resolve_seconds: float
     # Ordered (name, value) pairs, appended to the command as --name=value.
     hyperparameters: Tuple[Tuple[str, str], ...] = ()
     inputs: Tuple["Channel", ...] = ()

@@ -45,6 +45,17 @@ def code_dir(spec: JobSpec) -> Path:
     return spec.job_dir / storage_url.parse(spec.code_url).last_part
 
 
+def planned(spec: JobSpec) -> Staged:
+    """What stage-in will tell the command, without fetching anything (for `ma-runtime plan`).
+
+    An input URL without a trailing slash that names one object is given as the file in its
+    folder once fetched; the plan shows the folder."""
+    staged = Staged()
+    for channel in (*spec.inputs, *spec.outputs):
+        _tell(staged, channel, channel.local_dir(spec.mount_path))
+    return staged
+
+
 def stage_in(spec: JobSpec, environ, log) -> Staged:
     staged = Staged()
     if not (spec.code_url or spec.inputs or spec.outputs):

@@ -19,6 +19,14 @@ setup() {  # setup PYTHON VENV
 }
 
 setup python3 .venv
+# The real launchers for the launcher tests: torch's CPU wheel (pinned: any other version
+# downloads gigabytes of CUDA packages) in the test venv, MindSpore in a venv of its own, as a
+# job's interpreter apart from the runtime's.
+.venv/bin/python -m pip install --quiet torch==2.13.0
+if [ ! -x .venv-ms/bin/msrun ]; then
+  python3 -m venv .venv-ms
+  .venv-ms/bin/python -m pip install --quiet mindspore==2.10.0
+fi
 .venv/bin/ruff check ma_runtime tests benchmarks examples
 .venv/bin/python -m pytest -q "$@"
 

@@ -1,10 +1,14 @@
-"""The supervision loop: wait, forward, reap, stop with a deadline, leave nothing behind."""
+"""The supervision loop: wait, forward, reap, stop with a deadline, leave nothing behind.
+
+It supervises one worker or several (one per rank). With several, the first to
+fail (while no stop is under way) stops the others, and its status is the job's.
+"""
 
 import dataclasses
 import os
 import signal
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from ma_runtime.errors import exit_code_of_status
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
@@ -28,11 +32,43 @@ class Outcome:
     forced: bool = False  # the command outlived the grace period and was SIGKILLed
     leftovers: int = 0  # processes still running after the command exited
     duration: float = 0.0
+    # The worker whose status is the job's: the first to fail, else the first
+    # non-zero one, else the last to exit.
+    worker: Optional[Worker] = None
+    failed_worker: Optional[str] = None  # its name, when it failed first with no stop under way
+    workers_stopped: int = 0  # how many others we stopped because it failed
+
+
+@dataclasses.dataclass
+class _Stop:
+    """Where the stop stands during one run."""
+
+    signal: Optional[int] = None  # a stop requested by a signal
+    failed: Optional[Worker] = None  # a stop started by a worker's failure
+    stopped: int = 0
+    deadline: Optional[float] = None
+    forced: bool = False
+    killed_at: Optional[float] = None
+    exits: List[Worker] = dataclasses.field(default_factory=list)  # in the order they exited
+
+    @property
+    def under_way(self) -> bool:
+        return self.signal is not None or self.failed is not None
 
 
 class Supervisor:
-    def __init__(self, worker: Worker, signals: SignalQueue, grace_seconds: float, log, exclude: Sequence[int] = ()):
-        self.worker = worker
+    def __init__(
+        self,
+        workers: Union[Worker, Sequence[Worker]],
+        signals: SignalQueue,
+        grace_seconds: float,
+        log,
+        exclude: Sequence[int] = (),
+    ):
+        self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
+        if not self.workers:
+            raise ValueError("Supervisor needs at least one worker")
+        self.worker = self.workers[0]  # the single-worker API of old
         self.signals = signals
         self.grace_seconds = grace_seconds
         self.log = log
@@ -41,60 +77,133 @@ class Supervisor:
         self._me = os.getpid()
 
     def run(self) -> Outcome:
-        worker = self.worker
         started = time.monotonic()
-        stop_signal: Optional[int] = None
-        deadline: Optional[float] = None
-        forced = False
-        killed_at: Optional[float] = None
-        while worker.returncode is None:
-            timeout = _TICK if deadline is None else min(_TICK, max(0.0, deadline - time.monotonic()))
-            for signum in self.signals.wait(timeout):
-                if signum == signal.SIGCHLD:
-                    continue
-                if stop_signal == signal.SIGINT and signum == signal.SIGINT:
-                    self.log.warning("second SIGINT: killing the command now")
-                    deadline = time.monotonic()
-                if signum in STOPPING:
-                    # Also reach descendants that left the group (setsid, msrun's ranks).
-                    self._kill_tree(signum)
-                else:
-                    worker.signal_group(signum)
-                self.log.info("forwarded signal", signal=SIGNAL_NAMES.get(signum, signum), pid=worker.pid)
-                if signum in STOPPING and stop_signal is None:
-                    stop_signal = signum
-                    deadline = time.monotonic() + self.grace_seconds
-            self._reap()
-            if worker.returncode is None and deadline is not None and time.monotonic() >= deadline:
-                self.log.warning(
-                    "grace period over: killing the command and its descendants",
-                    grace_seconds=self.grace_seconds,
-                )
-                self._kill_tree(signal.SIGKILL)
-                forced, deadline, killed_at = True, None, time.monotonic()
-            if worker.returncode is None and killed_at is not None and time.monotonic() - killed_at > _KILL_WAIT:
-                # Uninterruptible sleep (a hung NFS or device): do not hang with it.
-                self.log.error("the command survived SIGKILL; giving up on it", pid=worker.pid)
-                worker.exited(-signal.SIGKILL)
+        stop = _Stop()
+        while self._live():
+            for signum in self.signals.wait(self._timeout(stop)):
+                self._on_signal(stop, signum)
+            for worker in self._reap():
+                self._on_exit(stop, worker)
+            self._escalate(stop)
         leftovers = self._stop_leftovers()
-        worker.join_output(_OUTPUT_DRAIN)
-        code = exit_code_of_status(worker.returncode)
-        if forced and stop_signal is not None:
-            # The stop request, not our SIGKILL, is why the command ended.
-            code = 128 + stop_signal
-        return Outcome(worker.returncode, code, stop_signal, forced, leftovers, time.monotonic() - started)
+        self._join_output()
+        return self._outcome(stop, leftovers, time.monotonic() - started)
 
-    def _reap(self) -> None:
-        exited = reap({self.worker.pid: None})
-        if self.worker.pid in exited:
-            self.worker.exited(exited[self.worker.pid])
+    def _live(self) -> List[Worker]:
+        return [w for w in self.workers if w.returncode is None]
+
+    def _timeout(self, stop: _Stop) -> float:
+        # Wake up at the deadline, not up to a tick after it.
+        if stop.deadline is None:
+            return _TICK
+        return min(_TICK, max(0.0, stop.deadline - time.monotonic()))
+
+    def _on_signal(self, stop: _Stop, signum: int) -> None:
+        if signum == signal.SIGCHLD:
+            return  # only there to wake the loop: _reap follows
+        if stop.signal == signal.SIGINT and signum == signal.SIGINT:
+            self.log.warning("second SIGINT: killing the command now")
+            stop.deadline = time.monotonic()
+        if signum in STOPPING:
+            # Also reach descendants that left the group (setsid, msrun's ranks).
+            self._kill_tree(signum)
+        else:
+            for worker in self._live():
+                worker.signal_group(signum)
+        self.log.info("forwarded signal", signal=SIGNAL_NAMES.get(signum, signum), **self._pids())
+        # A stop already under way (a failed worker's) keeps its deadline and its
+        # cause: the job failed before anyone asked it to stop.
+        if signum in STOPPING and not stop.under_way:
+            stop.signal = signum
+            stop.deadline = time.monotonic() + self.grace_seconds
+
+    def _on_exit(self, stop: _Stop, worker: Worker) -> None:
+        stop.exits.append(worker)
+        # Exits during a stop are what we asked for, not failures of their own.
+        if worker.returncode == 0 or stop.under_way:
+            return
+        stop.failed = worker
+        others = self._live()
+        stop.stopped = len(others)
+        if not others:
+            return
+        # One rank down stalls the others in their next collective: stop them
+        # now rather than let them hang until a timeout.
+        self.log.warning(
+            "a worker failed: stopping the others",
+            worker=worker.name,
+            exit_code=exit_code_of_status(worker.returncode),
+            others=len(others),
+        )
+        self._kill_tree(signal.SIGTERM)
+        stop.deadline = time.monotonic() + self.grace_seconds
+
+    def _escalate(self, stop: _Stop) -> None:
+        """SIGKILL after the grace period; give up on what even SIGKILL cannot end."""
+        live = self._live()
+        if not live:
+            return
+        now = time.monotonic()
+        if stop.deadline is not None and now >= stop.deadline:
+            self.log.warning(
+                "grace period over: killing the command and its descendants",
+                grace_seconds=self.grace_seconds,
+            )
+            self._kill_tree(signal.SIGKILL)
+            stop.forced, stop.deadline, stop.killed_at = True, None, now
+        elif stop.killed_at is not None and now - stop.killed_at > _KILL_WAIT:
+            # Uninterruptible sleep (a hung NFS or device): do not hang with it.
+            self.log.error("the command survived SIGKILL; giving up on it", **self._pids(live))
+            for worker in live:
+                worker.exited(-signal.SIGKILL)
+                stop.exits.append(worker)
+
+    def _outcome(self, stop: _Stop, leftovers: int, duration: float) -> Outcome:
+        # A non-zero status is never hidden behind a later zero.
+        decider = stop.failed or next((w for w in stop.exits if w.returncode != 0), stop.exits[-1])
+        code = exit_code_of_status(decider.returncode)
+        if stop.forced and stop.signal is not None:
+            # The stop request, not our SIGKILL, is why the command ended.
+            code = 128 + stop.signal
+        return Outcome(
+            decider.returncode,
+            code,
+            stop.signal,
+            stop.forced,
+            leftovers,
+            duration,
+            worker=decider,
+            failed_worker=stop.failed.name if stop.failed else None,
+            workers_stopped=stop.stopped,
+        )
+
+    def _pids(self, workers: Optional[Sequence[Worker]] = None) -> dict:
+        # One worker logs `pid=` as it always has; several log their list.
+        workers = self.workers if workers is None else workers
+        return {"pid": workers[0].pid} if len(self.workers) == 1 else {"pids": [w.pid for w in workers]}
+
+    def _join_output(self) -> None:
+        # One drain deadline for all: a pipe held outside our tree costs it once, not per worker.
+        deadline = time.monotonic() + _OUTPUT_DRAIN
+        for worker in self.workers:
+            worker.join_output(max(0.0, deadline - time.monotonic()))
+
+    def _reap(self) -> List[Worker]:
+        """Workers that exited since the last call, in the order they were reaped."""
+        live = {w.pid: w for w in self.workers if w.returncode is None}
+        exited = reap(dict.fromkeys(live))
+        for pid, returncode in exited.items():
+            live[pid].exited(returncode)
+        return [live[pid] for pid in exited]
 
     def _tree(self) -> List[int]:
         return descendants(self._me, exclude=self.exclude)
 
     def _kill_tree(self, signum: int) -> None:
-        """The command's process group and every descendant, wherever its group."""
-        self.worker.signal_group(signum)
+        """Every worker's process group and every descendant, wherever its group."""
+        # Exited leaders too: their groups may still hold processes outside our tree.
+        for worker in self.workers:
+            worker.signal_group(signum)
         kill_all(self._tree(), signum)
 
     def _stop_leftovers(self) -> int:

@@ -8,7 +8,7 @@ import subprocess
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from ma_runtime.errors import CommandNotExecutable, CommandNotFound
-from ma_runtime.output import LinePump, Sink
+from ma_runtime.output import LinePump, Sink, SinkSpec
 from ma_runtime.supervise.pid1 import die_with_parent
 
 
@@ -48,8 +48,14 @@ def spawn(
     stdout_sinks: Sequence[Sink],
     stderr_sinks: Sequence[Sink],
     name: str = "worker",
+    *,
+    console_prefix: Optional[bytes] = None,
 ) -> Worker:
-    """Starts `argv` as the leader of a new session; raises CommandNotFound/NotExecutable."""
+    """Starts `argv` as the leader of a new session; raises CommandNotFound/NotExecutable.
+
+    With `console_prefix` (e.g. b"[rank 3] "), every line sent to a console sink
+    (`Sink.console`) starts with it; the other sinks (a log file) get raw lines.
+    """
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
@@ -72,12 +78,19 @@ def spawn(
         os.close(out_w)
         os.close(err_w)
     pumps = [
-        LinePump(out_r, stdout_sinks, f"{name}-stdout"),
-        LinePump(err_r, stderr_sinks, f"{name}-stderr"),
+        LinePump(out_r, _with_prefix(stdout_sinks, console_prefix), f"{name}-stdout"),
+        LinePump(err_r, _with_prefix(stderr_sinks, console_prefix), f"{name}-stderr"),
     ]
     for pump in pumps:
         pump.start()
     return Worker(popen, pumps, name)
+
+
+def _with_prefix(sinks: Sequence[Sink], prefix: Optional[bytes]) -> List[SinkSpec]:
+    # Without a prefix the pump gets plain sinks: its whole-chunk fast path.
+    if not prefix:
+        return list(sinks)
+    return [(sink, prefix) if sink.console else sink for sink in sinks]
 
 
 def _exec_failure(argv: Sequence[str], cwd: Optional[str], exc: OSError):

@@ -1,0 +1,259 @@
+"""From the job to the processes to start: a pure function, printed by `ma-runtime plan --json`.
+
+The method (README, "Launchers"):
+- `MA_RUN_METHOD` (env or job file `run_method`) names it: `torchrun`, `msrun`, or
+  ma_runtime's own `rtf` (one process per local NPU, the rank-table file launch) and
+  `plain` (the command once);
+- unset, an NPU job gets `rtf`: NPU device nodes (davinci<N>) under the device
+  directory, or `RANK_TABLE_FILE` set; any other job gets `plain`.
+
+Every launcher's command gets the same appended arguments (inputs, outputs,
+hyperparameters): torchrun and msrun pass them to each rank, and every RTF copy
+has them. The plan lists only the environment each process adds or changes;
+the run starts from the runtime's own environment.
+"""
+
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ma_runtime.errors import ConfigError
+
+RTF, TORCHRUN, MSRUN, PLAIN = "rtf", "torchrun", "msrun", "plain"
+METHODS = (RTF, TORCHRUN, MSRUN, PLAIN)
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?\Z")
+_NPU_NODE = re.compile(r"davinci\d+\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPlan:
+    name: str  # "command", "torchrun", "msrun", or "rank-<r>"
+    argv: Tuple[str, ...]
+    env: Mapping[str, str]  # added or changed
+    cwd: Optional[str] = None  # None: the runtime's own
+    logs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    rank: Optional[int] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "argv": list(self.argv), "env": dict(self.env), "cwd": self.cwd,
+                "logs": dict(self.logs), "rank": self.rank}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    method: str
+    why: str  # how the method was chosen
+    workers: Tuple[WorkerPlan, ...]
+    nodes: int
+    processes_per_node: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"method": self.method, "why": self.why, "nodes": self.nodes,
+                "processes_per_node": self.processes_per_node, "workers": [w.to_dict() for w in self.workers]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the plan needs besides the JobSpec, gathered by the caller (so the plan stays pure)."""
+
+    argv: Sequence[str]  # the command with its appended arguments
+    environ: Mapping[str, str]
+    rank_table: Any = None  # ranktable.Prepared, when the job has one
+    resolve: Callable[[str], str] = lambda host: host  # host name -> IP (msrun wants an IP)
+    # (name, PATH) -> full path; shutil.which's second positional parameter is `mode`, not the PATH.
+    which: Callable[[str, Optional[str]], Optional[str]] = lambda name, path=None: shutil.which(name, path=path)
+
+
+# --------------------------------------------------------------------------- choosing
+
+
+def choose(spec, environ: Mapping[str, str]) -> Tuple[str, str]:
+    """(method, why)."""
+    if spec.run_method:
+        return spec.run_method, f"MA_RUN_METHOD={spec.run_method}"
+    if spec.ranktable_file is not None:
+        return RTF, "an NPU job (RANK_TABLE_FILE is set) and MA_RUN_METHOD is unset"
+    if _npu_nodes(spec.preflight_dev_dir):
+        return RTF, f"an NPU job (davinci<N> device nodes in {spec.preflight_dev_dir}) and MA_RUN_METHOD is unset"
+    return PLAIN, "not an NPU job and MA_RUN_METHOD is unset: the command runs once"
+
+
+def _npu_nodes(dev_dir: Path) -> bool:
+    try:
+        return any(_NPU_NODE.match(name) for name in os.listdir(dev_dir))
+    except OSError:
+        return False
+
+
+def build(spec, context: Context) -> Plan:
+    method, why = choose(spec, context.environ)
+    builder = {RTF: _rtf, TORCHRUN: _torchrun, MSRUN: _msrun, PLAIN: _plain}[method]
+    return builder(spec, context, why)
+
+
+def common_env(spec) -> Dict[str, str]:
+    """What every process of every launcher gets (pre-start hook exports join later)."""
+    return {"MA_PROC_START_CNT": str(spec.proc_start_cnt), "MA_SCHEDULE_CNT": str(spec.schedule_cnt)}
+
+
+# --------------------------------------------------------------------------- plain and RTF
+
+
+def _plain(spec, context: Context, why: str) -> Plan:
+    worker = WorkerPlan("command", tuple(context.argv), common_env(spec), logs={"task": str(spec.task_log_path)})
+    return Plan(PLAIN, why, (worker,), spec.num_hosts, 1)
+
+
+def _rtf(spec, context: Context, why: str) -> Plan:
+    prepared = context.rank_table
+    if prepared is None:
+        raise ConfigError("the rank-table launch needs a rank table: RANK_TABLE_FILE is unset, or "
+                          "MA_RUNTIME_RANKTABLE=off",
+                          hint="set RANK_TABLE_FILE (the platform does on NPU jobs), or choose another MA_RUN_METHOD "
+                               "(torchrun, msrun, plain)")
+    node = prepared.node
+    if not node.devices:
+        raise ConfigError(f"the rank table gives this node ({node.server_id}) no devices: nothing to start")
+    workers = []
+    for device in node.devices:
+        logical = str(device.logical_id)
+        env = {
+            **common_env(spec),
+            "RANK_TABLE_FILE": str(prepared.path),
+            "RANK_ID": str(device.rank_id),
+            "RANK_SIZE": str(node.rank_size),
+            # Logical ids, as the container numbers its visible devices (ACL, MindSpore's
+            # set_context(device_id=...)); the physical id is in the rank table.
+            "ASCEND_DEVICE_ID": logical,
+            "DEVICE_ID": logical,
+            "JOB_ID": spec.job_id,
+            # The platform's upload layout (contract §8.2).
+            "ASCEND_PROCESS_LOG_PATH": str(spec.log_dir / "ascend" / "process_log" / f"rank_{device.rank_id}"),
+        }
+        proc_log = spec.log_dir / f"modelarts-job-{spec.job_id}-proc-rank-{device.rank_id}-device-{logical}.txt"
+        workers.append(WorkerPlan(f"rank-{device.rank_id}", tuple(context.argv), env, logs={"proc": str(proc_log)},
+                                  rank=device.rank_id))
+    return Plan(RTF, why, tuple(workers), spec.num_hosts, len(workers))
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def _torchrun(spec, context: Context, why: str) -> Plan:
+    launcher = _launcher(context, "torchrun", "torch (pip install torch)")
+    per_node = max(spec.num_gpus, 1)  # MA_NUM_GPUS=0: one process
+    if spec.num_hosts <= 1:
+        preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={per_node}"]
+    else:
+        preset = [f"--nnodes={spec.num_hosts}", f"--nproc_per_node={per_node}", f"--node_rank={spec.task_index}",
+                  f"--master_addr={master_host(spec, context.environ)}",
+                  f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
+                  "--rdzv_backend=static"]
+    extra = _split_extra(spec.extra_torchrun_params)
+    argv = [launcher, *_without_flags(preset, _flag_names(extra)), *extra, *_torchrun_program(context.argv)]
+    worker = WorkerPlan(TORCHRUN, tuple(argv), common_env(spec), logs={"task": str(spec.task_log_path)})
+    return Plan(TORCHRUN, why, (worker,), spec.num_hosts, per_node)
+
+
+def _torchrun_program(argv: Sequence[str]) -> List[str]:
+    """`python SCRIPT ARGS` -> `SCRIPT ARGS` (torchrun runs it with its Python); anything else, an interpreter
+    named by its path included, runs as a program (`--no-python`), so the job's own interpreter runs it."""
+    if len(argv) >= 2 and _PYTHON.match(argv[0]) and not argv[1].startswith("-"):
+        return list(argv[1:])
+    return ["--no-python", *argv]
+
+
+def _split_extra(text: str) -> List[str]:
+    """Split like a shell would, never evaluated."""
+    try:
+        return shlex.split(text or "")
+    except ValueError as exc:
+        raise ConfigError(f"MA_EXTRA_TORCHRUN_PARAMS cannot be split ({exc}): {text!r}",
+                          hint="balance the quotes") from None
+
+
+def _flag_name(token: str) -> Optional[str]:
+    # torchrun takes --nproc-per-node and --nproc_per_node alike.
+    return token[2:].split("=", 1)[0].replace("-", "_") if token.startswith("--") and len(token) > 2 else None
+
+
+def _flag_names(tokens: Sequence[str]) -> set:
+    return {name for name in map(_flag_name, tokens) if name}
+
+
+def _without_flags(preset: Sequence[str], names: set) -> List[str]:
+    """A flag the extra parameters name replaces the preset one instead of appearing twice."""
+    return [token for token in preset if _flag_name(token) not in names]
+
+
+def master_host(spec, environ: Mapping[str, str]) -> str:
+    """Worker-0's domain name: the first of VC_WORKER_HOSTS, else `<vj>-<task>-0.<vj>` (invalid on supernodes)."""
+    hosts = [host.strip() for host in (spec.worker_hosts or "").split(",") if host.strip()]
+    if hosts:
+        return hosts[0]
+    if spec.vj_name:
+        return f"{spec.vj_name}-{spec.task_name}-0.{spec.vj_name}"
+    raise ConfigError("a multi-node launch needs worker-0's address, and VC_WORKER_HOSTS and MA_VJ_NAME are unset",
+                      hint="the platform sets VC_WORKER_HOSTS; set it when running elsewhere")
+
+
+def _launcher(context: Context, name: str, package: str) -> str:
+    found = context.which(name, context.environ.get("PATH"))
+    if not found:
+        raise ConfigError(f"MA_RUN_METHOD={name}, but {name} is not installed (not on PATH)",
+                          hint=f"install it in the image: {package}")
+    return found
+
+
+# --------------------------------------------------------------------------- msrun
+
+
+def _msrun(spec, context: Context, why: str) -> Plan:
+    launcher = _launcher(context, "msrun", "mindspore (pip install mindspore)")
+    argv = list(context.argv)
+    if not (len(argv) >= 2 and _PYTHON.match(os.path.basename(argv[0])) and argv[1].endswith(".py")):
+        raise ConfigError(f"msrun runs a Python script, and the command is {shlex.join(argv)!r}",
+                          hint="give the command as `python SCRIPT.py ARGS...`")
+    per_node = max(spec.num_gpus, 1)
+    master = "127.0.0.1" if spec.num_hosts <= 1 else context.resolve(master_host(spec, context.environ))
+    log_dir = spec.log_dir / "msrun" / f"attempt-{spec.proc_start_cnt}"
+    command = [launcher, f"--worker_num={spec.num_hosts * per_node}", f"--local_worker_num={per_node}",
+               f"--master_addr={master}", f"--node_rank={spec.task_index}",
+               f"--master_port={spec.msrun_master_port}", f"--log_dir={log_dir}", "--join=True",
+               f"--cluster_time_out={spec.msrun_cluster_time_out}"]
+    if spec.ms_ranktable_enable:
+        if context.rank_table is None:
+            raise ConfigError("MS_RANKTABLE_ENABLE=True, but there is no rank table to give msrun",
+                              hint="set RANK_TABLE_FILE (the platform does on NPU jobs), or unset MS_RANKTABLE_ENABLE")
+        command.append(f"--rank_table_file={context.rank_table.path}")
+    command += argv[1:]
+    env = {**common_env(spec), "PATH": _python_first(argv[0], context)}
+    worker = WorkerPlan(MSRUN, tuple(command), env, logs={"task": str(spec.task_log_path), "msrun": str(log_dir)})
+    return Plan(MSRUN, why, (worker,), spec.num_hosts, per_node)
+
+
+def _python_first(python: str, context: Context) -> str:
+    """PATH with the command's Python first: msrun starts ranks with `python` from PATH, not its own."""
+    path = context.environ.get("PATH", os.defpath)
+    found = python if os.sep in python else context.which(python, path)
+    if not found:
+        raise ConfigError(f"{python} is not on PATH", hint="name the job's interpreter by its full path")
+    folder = os.path.dirname(os.path.abspath(found))
+    return os.pathsep.join([folder, *(part for part in path.split(os.pathsep) if part and part != folder)])
+
+
+def render(document: Mapping[str, Any]) -> str:
+    """The plan for a terminal: the method, then each process's command line, environment and logs."""
+    lines = [f"method: {document['method']} ({document['why']})",
+             f"nodes: {document['nodes']}, processes per node: {document['processes_per_node']}"]
+    for worker in document["workers"]:
+        lines.append(f"\n[{worker['name']}] {shlex.join(worker['argv'])}")
+        lines += [f"  env  {name}={value}" for name, value in worker["env"].items()]
+        if worker["cwd"]:
+            lines.append(f"  cwd  {worker['cwd']}")
+        lines += [f"  log  {kind}: {path}" for kind, path in worker["logs"].items()]
+    return "\n".join(lines) + "\n"
