@@ -276,6 +276,7 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
     resolve = functools.partial(_resolve_until, seconds=spec.master_resolve_seconds)
     plan = plan_module.build(spec, plan_module.Context(argv, os.environ, rank_table, resolve))
     pid1 = is_pid1()
+    follower = None
     # First, so that a SIGTERM from now on is queued for the command, not lost
     # (PID 1 ignores signals it has no handler for).
     signals = SignalQueue()
@@ -297,12 +298,15 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
             task_log=str(spec.task_log_path),
         )
         base_env = {**_worker_env(spec, run_id), **staged.env}
+        follower = _follow_rank_logs(plan, context)
         workers = _spawn_all(plan, base_env, context)
         exclude = (guard.pid,) if guard else ()
         outcome = Supervisor(workers if len(workers) > 1 else workers[0], signals, spec.stop_grace_seconds, log,
                              exclude).run()
     finally:
         signals.close()
+        if follower is not None:
+            follower.stop()
     # Only a normal end stands the guard down: if anything above raised, the
     # guard sees our pipe close at exit and kills whatever is still running.
     if guard:
@@ -336,6 +340,18 @@ def _spawn_all(plan, base_env: Mapping[str, str], context: _Context) -> List[Wor
             worker.signal_group(signal.SIGKILL)
         raise
     return workers
+
+
+def _follow_rank_logs(plan, context: _Context):
+    """msrun writes each rank's output to a file only: follow those onto the console and the task log."""
+    folder = plan.workers[0].logs.get("msrun") if plan.method == plan_module.MSRUN else None
+    if not folder:
+        return None
+    from ma_runtime.supervise.follow import LogFollower
+
+    follower = LogFollower(Path(folder), [Sink(1, "<stdout>"), context.task_log])
+    follower.start()
+    return follower
 
 
 def _proc_log(planned) -> Optional[Sink]:

@@ -224,7 +224,10 @@ def _msrun(spec, context: Context, why: str) -> Plan:
     command = [launcher, f"--worker_num={spec.num_hosts * per_node}", f"--local_worker_num={per_node}",
                f"--master_addr={master}", f"--node_rank={spec.task_index}",
                f"--master_port={spec.msrun_master_port}", f"--log_dir={log_dir}", "--join=True",
-               f"--cluster_time_out={spec.msrun_cluster_time_out}"]
+               f"--cluster_time_out={spec.msrun_cluster_time_out}",
+               # No `tail -f` children: the runtime follows the rank logs itself, with rank prefixes. ("-1" means
+               # all ranks; a rank that does not exist means none: msrun warns once per rank about it.)
+               "--tail_worker_log=-2"]
     if spec.ms_ranktable_enable:
         if context.rank_table is None:
             raise ConfigError("MS_RANKTABLE_ENABLE=True, but there is no rank table to give msrun",

@@ -92,6 +92,9 @@ def test_msrun_on_one_node_runs_a_graph_mode_all_reduce(job_env, tmp_path):
     log_dir = Path(env["MA_HOME"]) / "modelarts" / "log" / "msrun" / "attempt-1"
     logs = "".join(path.read_text(errors="replace") for path in log_dir.glob("worker_*.log"))
     assert "rank 0 of 2: all_reduce=3.0" in logs and "rank 1 of 2: all_reduce=3.0" in logs
+    # The ranks' lines reach the console through the runtime, each with its rank, and no `tail -f` of msrun's.
+    for rank in (0, 1):
+        assert f"[rank-{rank}] rank {rank} of 2: all_reduce=3.0" in done.stdout.splitlines()
 
 
 @needs_mindspore
@@ -103,7 +106,8 @@ def test_sigterm_to_the_runtime_leaves_no_msrun_process_alive(job_env, tmp_path)
     try:
         ranks = _wait_for_pids(tmp_path, 2, timeout=240)
         family = _lineage_pids(env, runtime.pid)
-        assert len(family) >= 4  # msrun, its scheduler, two ranks (and the tails)
+        assert len(family) >= 4  # msrun, its scheduler, two ranks
+        assert not [pid for pid in family if _comm(pid) == "tail"]  # msrun's own tails are off
 
         runtime.send_signal(signal.SIGTERM)
         runtime.wait(timeout=60)
@@ -207,3 +211,27 @@ def test_rtf_the_first_failing_rank_stops_the_others_and_decides_the_code(job_en
     assert "a worker failed: stopping the others" in done.stderr
     message = termination(env)
     assert (message["exit_code"], message["rank"]) == (7, 3)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_rtf_with_more_gpus_asked_than_the_table_gives_is_bad_configuration(job_env, tmp_path):
+    env = npu_job(job_env, tmp_path, devices=8)
+    env["MA_NUM_GPUS"] = "16"
+
+    done = run_ma(["sh", "-c", "echo RAN"], env)
+
+    assert done.returncode == 78 and "RAN" not in done.stdout
+    assert "MA_NUM_GPUS=16" in done.stderr and "8 device(s)" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unknown_run_method_is_one_line_naming_the_accepted_values(job_env):
+    done = run_ma(["sh", "-c", "echo RAN"], {**job_env, "MA_RUN_METHOD": "horovod"})
+
+    assert done.returncode == 78 and "RAN" not in done.stdout
+    assert "rtf, torchrun, msrun, plain" in done.stderr and "Traceback" not in done.stderr

@@ -399,7 +399,7 @@ def test_msrun_single_node_is_the_documented_command(job, tmp_path):
     assert worker.name == "msrun"
     assert worker.argv == (
         "/opt/bin/msrun", "--worker_num=8", "--local_worker_num=8", "--master_addr=127.0.0.1", "--node_rank=0",
-        "--master_port=8118", f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=600",
+        "--master_port=8118", f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=600", "--tail_worker_log=-2",
         "train.py", "--epochs", "3",
     )
     assert worker.logs == {"task": str(job_spec.task_log_path), "msrun": str(log_dir)}
@@ -441,7 +441,8 @@ def test_msrun_with_ms_ranktable_enable_gets_the_converted_table(job, tmp_path):
                             RANK_TABLE_FILE=tmp_path / "config")
     table = prepared(tmp_path, job_spec, environ, TWO_BY_EIGHT[:1])
     argv = build(job_spec, environ, ["python", "train.py", "--x"], rank_table=table).workers[0].argv
-    assert argv[-4:] == ("--cluster_time_out=600", f"--rank_table_file={table.path}", "train.py", "--x")
+    assert argv[-5:] == ("--cluster_time_out=600", "--tail_worker_log=-2", f"--rank_table_file={table.path}",
+                         "train.py", "--x")
     assert str(table.path) == str(job_spec.state_dir / "rank_table" / "jobstart_hccl.json")  # not the source
 
 
