@@ -149,6 +149,7 @@ def _torchrun(spec, context: Context, why: str) -> Plan:
     if spec.num_hosts <= 1:
         preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={per_node}"]
     else:
+        _check_node_rank(spec)
         preset = [f"--nnodes={spec.num_hosts}", f"--nproc_per_node={per_node}", f"--node_rank={spec.task_index}",
                   f"--master_addr={master_host(spec, context.environ)}",
                   f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
@@ -192,13 +193,36 @@ def _without_flags(preset: Sequence[str], names: set) -> List[str]:
 
 def master_host(spec, environ: Mapping[str, str]) -> str:
     """Worker-0's domain name: the first of VC_WORKER_HOSTS, else `<vj>-<task>-0.<vj>` (invalid on supernodes)."""
-    hosts = [host.strip() for host in (spec.worker_hosts or "").split(",") if host.strip()]
+    hosts = worker_hosts(spec)
     if hosts:
         return hosts[0]
     if spec.vj_name:
         return f"{spec.vj_name}-{spec.task_name}-0.{spec.vj_name}"
     raise ConfigError("a multi-node launch needs worker-0's address, and VC_WORKER_HOSTS and MA_VJ_NAME are unset",
                       hint="the platform sets VC_WORKER_HOSTS; set it when running elsewhere")
+
+
+def worker_hosts(spec) -> List[str]:
+    """VC_WORKER_HOSTS in order (worker-0 first); a trailing comma is tolerated, a hole is not (it would shift
+    who worker-0 is), and the count must be MA_NUM_HOSTS."""
+    hosts = [host.strip() for host in (spec.worker_hosts or "").split(",")]
+    while hosts and not hosts[-1]:
+        hosts.pop()
+    if not hosts:
+        return []
+    if not all(hosts):
+        raise ConfigError(f"VC_WORKER_HOSTS has an empty entry: {spec.worker_hosts!r}",
+                          hint="list every node's domain name, worker-0 first, separated by commas")
+    if len(hosts) != spec.num_hosts:
+        raise ConfigError(f"VC_WORKER_HOSTS names {len(hosts)} node(s), but MA_NUM_HOSTS={spec.num_hosts}",
+                          hint="the two must describe the same job")
+    return hosts
+
+
+def _check_node_rank(spec) -> None:
+    if not 0 <= spec.task_index < spec.num_hosts:
+        raise ConfigError(f"VC_TASK_INDEX={spec.task_index} is not below MA_NUM_HOSTS={spec.num_hosts}",
+                          hint="this node's index counts from 0 among the job's nodes")
 
 
 def _launcher(context: Context, name: str, package: str) -> str:
@@ -219,6 +243,8 @@ def _msrun(spec, context: Context, why: str) -> Plan:
         raise ConfigError(f"msrun runs a Python script, and the command is {shlex.join(argv)!r}",
                           hint="give the command as `python SCRIPT.py ARGS...`")
     per_node = max(spec.num_gpus, 1)
+    if spec.num_hosts > 1:
+        _check_node_rank(spec)
     master = "127.0.0.1" if spec.num_hosts <= 1 else context.resolve(master_host(spec, context.environ))
     log_dir = spec.log_dir / "msrun" / f"attempt-{spec.proc_start_cnt}"
     command = [launcher, f"--worker_num={spec.num_hosts * per_node}", f"--local_worker_num={per_node}",

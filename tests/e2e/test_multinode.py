@@ -21,7 +21,15 @@ from typing import Dict, List, Optional
 import pytest
 
 from tests.conftest import MA_RUN, run_ma
-from tests.e2e.test_launchers import JOBS, MS_BIN, TORCH_BIN, launcher_env, needs_mindspore, needs_torch
+from tests.e2e.test_launchers import (
+    JOBS,
+    MS_BIN,
+    TORCH_BIN,
+    launcher_env,
+    needs_mindspore,
+    needs_torch,
+    termination,
+)
 
 HOSTS = ("job-worker-0.job", "job-worker-1.job")
 _pairs = itertools.count()
@@ -246,3 +254,6 @@ def test_an_unresolvable_worker_0_fails_with_81_naming_the_host(job_env, tmp_pat
     assert "Traceback" not in output
     assert "the stand-in msrun ran" not in output
     assert elapsed < 30
+    message = termination(env)
+    assert (message["exit_code"], message["stage"]) == (81, "launch")
+    assert "no-such-host.invalid" in message["reason"]

@@ -774,3 +774,26 @@ def test_cli_plan_unknown_method_exits_78_with_one_error_line(cli_env, tmp_path)
     assert all(method in errors[0] for method in ("rtf", "torchrun", "msrun", "plain"))
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "launcher-ran").exists()
+
+
+# --- the job's nodes must agree ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["torchrun", "msrun"])
+def test_a_task_index_not_below_the_node_count_is_a_config_error(job, method):
+    job_spec, environ = job(MA_RUN_METHOD=method, MA_NUM_HOSTS=2, VC_TASK_INDEX=2, VC_WORKER_HOSTS="a.job,b.job")
+    with pytest.raises(ConfigError, match=r"VC_TASK_INDEX=2 is not below MA_NUM_HOSTS=2"):
+        build(job_spec, environ)
+
+
+@pytest.mark.parametrize("hosts, problem", [(" , b.job", "an empty entry"), ("a.job,,b.job", "an empty entry"),
+                                            ("a.job,b.job,c.job", "names 3 node"), ("a.job", "names 1 node")])
+def test_worker_hosts_with_holes_or_another_count_are_config_errors(job, hosts, problem):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_HOSTS=2, VC_WORKER_HOSTS=hosts)
+    with pytest.raises(ConfigError, match=problem):
+        build(job_spec, environ)
+
+
+def test_a_trailing_comma_in_worker_hosts_is_tolerated(job):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_HOSTS=2, VC_WORKER_HOSTS="a.job,b.job,")
+    assert "--master_addr=a.job" in build(job_spec, environ).workers[0].argv
