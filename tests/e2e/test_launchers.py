@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -164,9 +165,14 @@ def _alive(pid: int) -> bool:
 
 
 def npu_job(job_env, tmp_path, devices=8, **extra):
-    """An 8-device NPU pod: a completed template-two table in a /user/config stand-in, no MA_RUN_METHOD."""
-    config = tmp_path / "user-config"
+    """An 8-device NPU pod: fake davinci<N> device nodes, and the platform's writer stand-in filling a template-two
+    table into a /user/config stand-in after the runtime starts (missing, half-written, initializing, completed).
+    No MA_RUN_METHOD: the runtime must pick the rank-table launch itself."""
+    config, dev = tmp_path / "user-config", tmp_path / "dev"
     config.mkdir()
+    dev.mkdir()
+    for device in range(devices):
+        (dev / f"davinci{device}").touch()
     table = {
         "group_count": "1", "status": "completed",
         "group_list": [{"device_count": str(devices), "group_name": "job-worker", "instance_count": "1",
@@ -174,11 +180,29 @@ def npu_job(job_env, tmp_path, devices=8, **extra):
                                            "devices": [{"device_id": str(d), "device_ip": f"192.1.0.{d + 1}"}
                                                        for d in range(devices)]}]}],
     }
-    (config / "jobstart_hccl.json").write_text(json.dumps(table))
+    source = tmp_path / "table.json"
+    source.write_text(json.dumps(table))
+    writer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fakes" / "ranktable_writer.py"),
+                               "--path", str(config / "jobstart_hccl.json"), "--table", str(source),
+                               "--delay-create", "0.5", "--initializing", "0.5"], stdout=subprocess.DEVNULL)
+    WRITERS.append(writer)
     env = {**job_env, "RANK_TABLE_FILE": str(config), "VC_TASK_INDEX": "0", "MA_NUM_GPUS": str(devices),
-           "MA_VJ_NAME": "ma-job-0a1b", "MA_RUNTIME_PREFLIGHT": "0"}
+           "MA_VJ_NAME": "ma-job-0a1b", "MA_RUNTIME_PREFLIGHT": "0", "MA_RUNTIME_PREFLIGHT_DEV_DIR": str(dev)}
     env.update({name: str(value) for name, value in extra.items()})
     return env
+
+
+WRITERS = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_writers():
+    yield
+    while WRITERS:
+        writer = WRITERS.pop()
+        if writer.poll() is None:
+            writer.kill()
+        writer.wait()
 
 
 def test_rtf_starts_one_process_per_npu_with_its_env_and_proc_log(job_env, tmp_path):
