@@ -42,6 +42,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
     logs.configure(_early_log_format(), masker=masker)
     log = logs.get_logger()
     context = _Context(masker)
+    _stop_on_signals()
     try:
         spec = spec_module.load(flags, os.environ, config_file)
         if print_config:
@@ -62,6 +63,8 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         return _run_command(spec, command, context, staged, rank_table)
     except RuntimeFailure as failure:
         return context.fail(failure)
+    except _Stopped as stopped:
+        return context.fail(stopped.failure())
     except Exception as exc:  # a bug of ours: still one line, a code, and a message
         return context.fail(
             RuntimeFailure(
@@ -71,6 +74,38 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         )
     finally:
         context.close()
+
+
+class _Stopped(Exception):
+    """SIGTERM/SIGINT before the command started (preflight, stage-in, the rank-table wait)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def failure(self) -> RuntimeFailure:
+        failure = RuntimeFailure(f"stopped by {SIGNAL_NAMES.get(self.signum, self.signum)} before the command started",
+                                 stage="startup")
+        failure.exit_code = 128 + self.signum  # as if the command had been stopped by it
+        return failure
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    raise _Stopped(signum)
+
+
+def _stop_on_signals() -> None:
+    """Until the supervisor takes the signals over: a stop ends the run at once with 128+N. As PID 1, a
+    signal without a handler is ignored, so a long wait (stage-in, the rank table) would sit out the
+    platform's grace period instead."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _raise_stopped)
+
+
+def _ignore_stops() -> None:
+    """After the command: the exit code is decided, and a late stop must not replace it."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class _Context:
@@ -305,6 +340,7 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
                              exclude).run()
     finally:
         signals.close()
+        _ignore_stops()
         if follower is not None:
             follower.stop()
     # Only a normal end stands the guard down: if anything above raised, the
