@@ -16,20 +16,21 @@ KEYS = ["plain.bin", "a b/ü+~x.bin", "dir/κλειδί (1).txt", "x%2Fy", "semi
 QUERIES = [None, {"prefix": "ünï /+", "max-keys": "1000", "encoding-type": "url", "marker": "a b+c"}]
 
 
-def sdk_url(endpoint, path_style, token, bucket, key, query):
-    client = ObsClient(access_key_id="AKID", secret_access_key="SECRET/+key", security_token=token, server=endpoint,
-                       signature="v4", region="cn-north-4", path_style=path_style, is_signature_negotiation=False)
-    signed_url = client.createSignedUrl("GET", bucket, key, expires=signed.EXPIRES_SECONDS,
-                                        queryParams=dict(query) if query else None)
-    return signed_url.signedUrl, signed_url.actualSignedRequestHeaders
+def sdk_client(endpoint, path_style, token):
+    return ObsClient(access_key_id="AKID", secret_access_key="SECRET/+key", security_token=token, server=endpoint,
+                     signature="v4", region="cn-north-4", path_style=path_style, is_signature_negotiation=False)
 
 
 def same_second(endpoint, path_style, token, bucket, key, query):
-    """Both URLs signed within one second (X-Amz-Date has one-second resolution)."""
+    """Both URLs signed within one second (X-Amz-Date has one-second resolution). The clients are built
+    first: on a loaded machine building an ObsClient between the two signings can cross a second."""
     presigner = signed.V4Presigner(endpoint, "cn-north-4", path_style, "AKID", "SECRET/+key", token)
-    for _ in range(5):
+    client = sdk_client(endpoint, path_style, token)
+    for _ in range(50):
         ours = presigner.sign(bucket, key, query)
-        theirs = sdk_url(endpoint, path_style, token, bucket, key, query)
+        theirs = client.createSignedUrl("GET", bucket, key, expires=signed.EXPIRES_SECONDS,
+                                        queryParams=dict(query) if query else None)
+        theirs = theirs.signedUrl, theirs.actualSignedRequestHeaders
         if dict(parse_qsl(urlsplit(ours[0]).query))["X-Amz-Date"] == \
                 dict(parse_qsl(urlsplit(theirs[0]).query))["X-Amz-Date"]:
             return ours, theirs
