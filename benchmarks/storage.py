@@ -115,6 +115,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--no-diagnostics", action="store_true", help="skip row d1 of scenario 1")
     parser.add_argument("--s3rver", metavar="PATH", help="an s3rver executable to use instead of npm-installing one")
     parser.add_argument("--workdir", metavar="DIR", help="scratch parent folder (default: a new folder in /tmp)")
+    parser.add_argument("--pin", action="store_true",
+                        help="client on CPU 0, the servers on the other CPUs (taskset), so neither steals the "
+                             "other's core; needs 2 CPUs or more")
     parser.add_argument("--json", metavar="FILE", help="also write the results (and every sample) as JSON to FILE")
     args = parser.parse_args(argv)
     args.endpoints = _names(args.endpoints, ("moto", "s3rver"), "--endpoints")
@@ -735,6 +738,14 @@ def print_table(title: str, rows: List[Tuple[str, str, Dict[str, Any]]], unit: s
               f"{row['client_cpu_pct']:>9.0f}% {row['server_cpu_pct']:>9.0f}%{flag}")
 
 
+def pin_server(server: Server) -> None:
+    """Every thread of the server process onto CPUs 1..N-1 (node's and werkzeug's threads included)."""
+    cpus = os.cpu_count() or 1
+    if cpus < 2:
+        raise SystemExit("--pin needs at least 2 CPUs")
+    subprocess.run(["taskset", "-apc", f"1-{cpus - 1}", str(server.proc.pid)], check=True, capture_output=True)
+
+
 def environment(args: argparse.Namespace, servers: Dict[str, Server]) -> Dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -892,13 +903,21 @@ def main(argv: Sequence[str]) -> int:
                 print(f"NOTE: {name} is not available, its measurements are skipped: {problem}", flush=True)
             else:
                 servers[name] = server
+                if args.pin:
+                    pin_server(server)
+        if args.pin:
+            os.sched_setaffinity(0, {0})  # this process and the threads it starts from now on
         if not servers:
             print("No local S3 server could be started; nothing measured.")
             return 0
         cpus = os.cpu_count()
-        print(f"Machine: {cpus} CPUs ({platform.machine()}), Python {platform.python_version()}. Client (this "
-              f"process, all its threads) and server run on the SAME {cpus} cores: every figure is "
-              "client+server on one box, not a network measurement.")
+        machine = f"Machine: {cpus} CPUs ({platform.machine()}), Python {platform.python_version()}."
+        if args.pin:
+            print(f"{machine} Pinned: the client (this process, all its threads) on CPU 0, the servers on CPUs "
+                  f"1-{cpus - 1}; still one box, not a network measurement.")
+        else:
+            print(f"{machine} Client (this process, all its threads) and server run on the SAME {cpus} cores: every "
+                  "figure is client+server on one box, not a network measurement.")
         if "small" in args.scenarios:
             scenario_small(args, servers, scratch, results)
         if "large" in args.scenarios:
