@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, logs, ranktable, stagein, termination
+from ma_runtime import __version__, logs, stagein, termination
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import (
     Category,
@@ -57,8 +57,11 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
             log.info(note)
         _preflight(spec, log)
         staged = stage_in(spec, os.environ, log)
-        rank_table = ranktable.prepare(spec, os.environ, log)
-        if rank_table is not None:
+        rank_table = None
+        if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
+            from ma_runtime import ranktable
+
+            rank_table = ranktable.prepare(spec, os.environ, log)
             staged.env.update(rank_table.env)
         return _run_command(spec, command, context, staged, rank_table)
     except RuntimeFailure as failure:
@@ -209,6 +212,8 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
 
 def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], as_json: bool) -> int:
     """`ma-runtime plan`: what `run` would start, on stdout; nothing is started or downloaded."""
+    from ma_runtime import ranktable
+
     masker = Masker.from_environ()
     logs.configure(_early_log_format(), masker=masker)
     log = logs.get_logger()
@@ -232,16 +237,16 @@ def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: 
 
 def _resolve_once(host: str) -> str:
     """One lookup, no waiting: a plan shows the host name when it does not resolve yet."""
-    import socket
-
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-    except OSError:
+        return _resolve_until(host, seconds=0)
+    except LaunchTimedOut:
         return host
 
 
 def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int:
     """`ma-runtime ranktable wait`: the table's path on stdout once it says completed."""
+    from ma_runtime import ranktable
+
     log, spec = _tool_setup()
     if spec is None:
         return ExitCode.BAD_CONFIGURATION
@@ -261,6 +266,8 @@ def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int
 
 def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
     """`ma-runtime ranktable convert IN [OUT]`: template one to OUT (atomically) or stdout."""
+    from ma_runtime import ranktable
+
     log, spec = _tool_setup()
     if spec is None:
         return ExitCode.BAD_CONFIGURATION
@@ -303,7 +310,7 @@ def _tool_failure(log, failure: RuntimeFailure) -> int:
 
 
 def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged,
-                 rank_table: Optional[ranktable.Prepared] = None) -> int:
+                 rank_table=None) -> int:  # rank_table: a ranktable.Prepared, when the job has one
     log = logs.get_logger()
     run_id = os.urandom(6).hex()
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (§12 item 21).

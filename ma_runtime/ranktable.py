@@ -521,7 +521,7 @@ def prepare(spec, environ: Mapping[str, str], log) -> Optional[Prepared]:
 
     Called before every start of the command: a reschedule may have rewritten the table.
     """
-    if spec.ranktable_wait == "off" or spec.ranktable_file is None:
+    if not spec.waits_for_rank_table:
         return None
     source = locate(str(spec.ranktable_file))
     started = time.monotonic()
@@ -541,7 +541,7 @@ def prepare(spec, environ: Mapping[str, str], log) -> Optional[Prepared]:
 
 def peek(spec, environ: Mapping[str, str]) -> Optional[Prepared]:
     """The rank table as `prepare` would give it, without waiting or writing (for `ma-runtime plan`)."""
-    if spec.ranktable_wait == "off" or spec.ranktable_file is None:
+    if not spec.waits_for_rank_table:
         return None
     source = locate(str(spec.ranktable_file))
     seen = look(source)

@@ -325,6 +325,11 @@ class JobSpec:
         return self.mount_path / ".ma-runtime"
 
     @property
+    def waits_for_rank_table(self) -> bool:
+        """Whether `run` waits for and converts the rank table (ranktable.prepare)."""
+        return self.ranktable_file is not None and self.ranktable_wait != "off"
+
+    @property
     def job_id(self) -> str:
         """`ma-job-<uuid>` and `modelarts-job-<uuid>` both give `<uuid>`; unset gives `local`."""
         name = self.vj_name or "local"

@@ -7,6 +7,7 @@
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +91,13 @@ def namespace_init(unshare_pid: int, timeout: float = 10.0) -> int:
             return children[0]
         time.sleep(0.01)
     raise AssertionError("unshare did not start its child")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (for a launcher's master port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

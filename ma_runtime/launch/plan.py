@@ -71,7 +71,7 @@ class Context:
 # --------------------------------------------------------------------------- choosing
 
 
-def choose(spec, environ: Mapping[str, str]) -> Tuple[str, str]:
+def choose(spec) -> Tuple[str, str]:
     """(method, why)."""
     if spec.run_method:
         return spec.run_method, f"MA_RUN_METHOD={spec.run_method}"
@@ -90,7 +90,7 @@ def _npu_nodes(dev_dir: Path) -> bool:
 
 
 def build(spec, context: Context) -> Plan:
-    method, why = choose(spec, context.environ)
+    method, why = choose(spec)
     builder = {RTF: _rtf, TORCHRUN: _torchrun, MSRUN: _msrun, PLAIN: _plain}[method]
     return builder(spec, context, why)
 

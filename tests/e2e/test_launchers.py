@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MA_RUN, ROOT, run_ma
+from tests.conftest import MA_RUN, ROOT, alive, free_port, run_ma
 
 JOBS = ROOT / "tests" / "e2e" / "jobs"
 TORCH_BIN = ROOT / ".venv" / "bin"
@@ -85,7 +85,7 @@ def test_torchrun_missing_is_one_line_naming_the_package(job_env, tmp_path):
 @needs_mindspore
 def test_msrun_on_one_node_runs_a_graph_mode_all_reduce(job_env, tmp_path):
     env = launcher_env(job_env, MS_BIN, MA_RUN_METHOD="msrun", MA_NUM_GPUS=2, PIDS_DIR=tmp_path,
-                       MA_RUNTIME_MSRUN_MASTER_PORT=_free_port())
+                       MA_RUNTIME_MSRUN_MASTER_PORT=free_port())
 
     done = run_ma(["python", str(JOBS / "ms_allreduce.py")], env, timeout=300)
 
@@ -101,7 +101,7 @@ def test_msrun_on_one_node_runs_a_graph_mode_all_reduce(job_env, tmp_path):
 @needs_mindspore
 def test_sigterm_to_the_runtime_leaves_no_msrun_process_alive(job_env, tmp_path):
     env = launcher_env(job_env, MS_BIN, MA_RUN_METHOD="msrun", MA_NUM_GPUS=2, PIDS_DIR=tmp_path, SLEEP=300,
-                       MA_RUNTIME_STOP_GRACE_SECONDS=5, MA_RUNTIME_MSRUN_MASTER_PORT=_free_port())
+                       MA_RUNTIME_STOP_GRACE_SECONDS=5, MA_RUNTIME_MSRUN_MASTER_PORT=free_port())
     runtime = subprocess.Popen([MA_RUN, "python", str(JOBS / "ms_allreduce.py")], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -116,15 +116,7 @@ def test_sigterm_to_the_runtime_leaves_no_msrun_process_alive(job_env, tmp_path)
         if runtime.poll() is None:
             runtime.kill()
     time.sleep(0.5)
-    assert not [pid for pid in ranks + family if _alive(pid)], "processes survived the runtime"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    assert not [pid for pid in ranks + family if alive(pid)], "processes survived the runtime"
 
 
 def _wait_for_pids(folder: Path, count: int, timeout: float):
@@ -151,14 +143,6 @@ def _lineage_pids(env, runtime_pid: int):
         if b"MA_RUNTIME_LINEAGE=" in environ and env["MA_HOME"].encode() in environ:
             found.append(int(entry))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 # --------------------------------------------------------------------------- RTF: one process per NPU

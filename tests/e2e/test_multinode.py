@@ -12,7 +12,6 @@ import itertools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from tests.conftest import MA_RUN, run_ma
+from tests.conftest import MA_RUN, free_port, run_ma
 from tests.e2e.test_launchers import (
     JOBS,
     MS_BIN,
@@ -161,12 +160,6 @@ def _tail(path: Path, chars: int = 4000) -> str:
         return f"({exc.strerror})"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def node_env(job_env, tmp_path: Path, node: int, bin_dir: Path, **extra) -> Dict[str, str]:
     """Node NODE's environment: its own MA_HOME and VC_TASK_INDEX, the job's shared VC_WORKER_HOSTS."""
     home = tmp_path / f"home-{node}"
@@ -180,7 +173,7 @@ def node_env(job_env, tmp_path: Path, node: int, bin_dir: Path, **extra) -> Dict
 @needs_namespaces
 @needs_torch
 def test_torchrun_on_two_nodes_all_reduces_over_four_ranks(job_env, tmp_path, node_pair):
-    port = _free_port()
+    port = free_port()
     envs = [node_env(job_env, tmp_path, node, TORCH_BIN, MA_RUN_METHOD="torchrun", MA_NUM_GPUS=2,
                      MA_TORCHRUN_MASTER_PORT=port) for node in (0, 1)]
 
@@ -204,7 +197,7 @@ def test_torchrun_on_two_nodes_all_reduces_over_four_ranks(job_env, tmp_path, no
 @needs_namespaces
 @needs_mindspore
 def test_msrun_on_two_nodes_runs_a_graph_mode_all_reduce(job_env, tmp_path, node_pair):
-    port = _free_port()
+    port = free_port()
     envs = []
     for node in (0, 1):
         pids = tmp_path / f"pids-{node}"

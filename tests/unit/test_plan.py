@@ -124,23 +124,23 @@ SHARED_HOST = [(f"{VJ}-worker-0", "172.16.0.10", [0, 1, 2, 3]), (f"{VJ}-worker-1
 @pytest.mark.parametrize("method", ["rtf", "torchrun", "msrun", "plain"])
 def test_ma_run_method_names_the_method(job, method):
     job_spec, environ = job(MA_RUN_METHOD=method)
-    assert plan.choose(job_spec, environ) == (method, f"MA_RUN_METHOD={method}")
+    assert plan.choose(job_spec) == (method, f"MA_RUN_METHOD={method}")
 
 
 def test_ma_run_method_is_case_insensitive(job):
     job_spec, environ = job(MA_RUN_METHOD=" TorchRun ")
-    assert plan.choose(job_spec, environ)[0] == "torchrun"
+    assert plan.choose(job_spec)[0] == "torchrun"
 
 
 def test_ma_run_method_wins_over_npu_signs(job, tmp_path):
     (tmp_path / "dev" / "davinci0").touch()
     job_spec, environ = job(MA_RUN_METHOD="plain", RANK_TABLE_FILE="/user/config")
-    assert plan.choose(job_spec, environ)[0] == "plain"
+    assert plan.choose(job_spec)[0] == "plain"
 
 
 def test_unset_method_with_rank_table_file_is_rtf(job):
     job_spec, environ = job(RANK_TABLE_FILE="/user/config")
-    method, why = plan.choose(job_spec, environ)
+    method, why = plan.choose(job_spec)
     assert method == "rtf" and "RANK_TABLE_FILE" in why
 
 
@@ -148,7 +148,7 @@ def test_unset_method_with_davinci_device_node_is_rtf(job, tmp_path):
     for name in ("davinci0", "davinci_manager", "hisi_hdc"):
         (tmp_path / "dev" / name).touch()
     job_spec, environ = job()
-    method, why = plan.choose(job_spec, environ)
+    method, why = plan.choose(job_spec)
     assert method == "rtf" and "davinci" in why and str(tmp_path / "dev") in why
 
 
@@ -157,18 +157,18 @@ def test_unset_method_without_npu_device_nodes_is_plain(job, tmp_path, nodes):
     for name in nodes:
         (tmp_path / "dev" / name).touch()
     job_spec, environ = job()
-    method, why = plan.choose(job_spec, environ)
+    method, why = plan.choose(job_spec)
     assert method == "plain" and "MA_RUN_METHOD is unset" in why
 
 
 def test_unset_method_with_missing_device_directory_is_plain(job, tmp_path):
     job_spec, environ = job(MA_RUNTIME_PREFLIGHT_DEV_DIR=tmp_path / "no-such-dev")
-    assert plan.choose(job_spec, environ)[0] == "plain"
+    assert plan.choose(job_spec)[0] == "plain"
 
 
 def test_empty_ma_run_method_counts_as_unset(job):
     job_spec, environ = job(MA_RUN_METHOD="")
-    assert plan.choose(job_spec, environ)[0] == "plain"
+    assert plan.choose(job_spec)[0] == "plain"
 
 
 def test_unknown_method_is_a_configuration_error_naming_the_accepted_values(job):

@@ -5,13 +5,13 @@ import copy
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ma_runtime import ranktable
+from ma_runtime import spec as job_spec
 from ma_runtime.errors import ExitCode
 from ma_runtime.ranktable import RankTableError, RankTableTimeout
 
@@ -687,8 +687,12 @@ def test_no_hints_at_all_is_an_error():
 
 
 def spec_for(tmp_path, source, wait="auto", timeout=5.0):
-    return SimpleNamespace(ranktable_wait=wait, ranktable_file=source, ranktable_timeout=timeout,
-                           state_dir=tmp_path / "mount" / ".ma-runtime")
+    """A real JobSpec, as `ma-runtime run` builds it from the environment."""
+    environ = {"MA_MOUNT_PATH": str(tmp_path / "mount"), "MA_HOME": str(tmp_path / "home"),
+               "MA_RUNTIME_RANKTABLE": wait, "MA_RUNTIME_RANKTABLE_TIMEOUT": str(timeout)}
+    if source is not None:
+        environ["RANK_TABLE_FILE"] = str(source)
+    return job_spec.load({}, environ)
 
 
 def test_prepare_writes_template_one_and_gives_the_workers_its_path(tmp_path):
