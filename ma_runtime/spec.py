@@ -10,6 +10,7 @@ show it.
 import dataclasses
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -24,22 +25,32 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _HYPERPARAMETER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_DECIMAL = re.compile(r"[+-]?[0-9]+\Z")
+# A job file is a few hundred bytes; a bound keeps a hostile one (or /dev/zero) from eating memory.
+MAX_JOB_FILE_BYTES = 1 << 20
+# YAML aliases let 400 bytes describe gigabytes ("billion laughs"): bounded after composing, before building.
+MAX_JOB_FILE_NODES = 100_000
+MAX_JOB_FILE_DEPTH = 32
+# How much of a bad value an error line quotes.
+_SHOWN_CHARS = 60
 
 
 class BadValue(ValueError):
     """A parser's complaint; the caller adds which variable, key or flag it was."""
 
 
-def _integer(minimum: int) -> Callable[[str], int]:
+def _integer(minimum: int, maximum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        try:
-            value = int(str(text).strip())
-        except ValueError:
-            raise BadValue(f"is not a whole number (expected an integer >= {minimum})") from None
-        if value < minimum:
-            raise BadValue(f"must be >= {minimum}")
+        word = str(text).strip()
+        # Bounded before int(): 5 000 digits cost a quadratic conversion, and no setting needs 20.
+        if len(word) > 20 or not _DECIMAL.match(word):
+            raise BadValue(f"is not a whole number (expected {minimum} to {maximum})")
+        value = int(word)
+        if not minimum <= value <= maximum:
+            raise BadValue(f"must be between {minimum} and {maximum}")
         return value
 
+    parse.range = (minimum, maximum)
     return parse
 
 
@@ -62,21 +73,28 @@ def _switch(text: str) -> bool:
     raise BadValue("must be on or off (also 1/0, true/false, yes/no)")
 
 
-def _number(minimum: float) -> Callable[[str], float]:
+def _number(minimum: float, maximum: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
+        word = str(text).strip()
         try:
-            value = float(str(text).strip())
+            value = float(word) if len(word) <= 40 else float("nan")
         except ValueError:
-            raise BadValue(f"is not a number (expected >= {minimum:g})") from None
-        if not value >= minimum or value == float("inf"):
-            raise BadValue(f"must be a finite number >= {minimum:g}")
+            raise BadValue(f"is not a number (expected {minimum:g} to {maximum:g})") from None
+        # `not a <= v <= b` is also true for NaN; infinity and 1e308 are above every maximum.
+        if not minimum <= value <= maximum:
+            raise BadValue(f"must be a number between {minimum:g} and {maximum:g}")
         return value
 
+    parse.range = (minimum, maximum)
     return parse
 
 
-# Durations: a finite number of seconds >= 0.
-_seconds = _number(0)
+# Durations: seconds, from 0 to a week. Every wait the runtime makes stays a number that
+# select(), threading and time arithmetic accept (1e308 overflows them).
+WEEK_SECONDS = 7 * 24 * 3600
+_seconds = _number(0, WEEK_SECONDS)
+PORT = (1, 65535)
+_port = _integer(*PORT)
 
 
 def _names(allowed: Sequence[str]) -> Callable[[str], Tuple[str, ...]]:
@@ -152,11 +170,14 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("log_dir", "MA_LOG_DIR", _path, "task log directory (default: MA_MOUNT_PATH/log)"),
     Setting("vj_name", "MA_VJ_NAME", _matching(_JOB_ID, "Volcano job name"), "Volcano job name, ma-job-<uuid>"),
     Setting("task_name", "MA_TASK_NAME", _matching(_TASK_NAME, "task name"), "container role", "worker"),
-    Setting("task_index", "VC_TASK_INDEX", _integer(0), "this container's index in the job", 0),
-    Setting("num_hosts", "MA_NUM_HOSTS", _integer(1), "number of nodes in the job", 1),
-    Setting("num_gpus", "MA_NUM_GPUS", _integer(0), "accelerator cards (GPU or NPU) in this container", 0),
-    Setting("proc_start_cnt", "MA_PROC_START_CNT", _integer(1), "times the command has started in this pod", 1),
-    Setting("schedule_cnt", "MA_SCHEDULE_CNT", _integer(1), "times this pod has been scheduled", 1),
+    Setting("task_index", "VC_TASK_INDEX", _integer(0, 99_999), "this container's index in the job", 0),
+    Setting("num_hosts", "MA_NUM_HOSTS", _integer(1, 100_000), "number of nodes in the job", 1),
+    Setting("num_gpus", "MA_NUM_GPUS", _integer(0, 1024), "accelerator cards (GPU or NPU) in this container", 0),
+    Setting("nproc_per_node", "MA_RUNTIME_NPROC_PER_NODE", _integer(1, 1024), "processes per node for torchrun "
+            "and msrun (default: MA_NUM_GPUS, at least 1); asks for N CPU processes without accelerators"),
+    Setting("proc_start_cnt", "MA_PROC_START_CNT", _integer(1, 1_000_000), "times the command has started in this "
+            "pod", 1),
+    Setting("schedule_cnt", "MA_SCHEDULE_CNT", _integer(1, 1_000_000), "times this pod has been scheduled", 1),
     Setting(
         "stop_grace_seconds",
         "MA_RUNTIME_STOP_GRACE_SECONDS",
@@ -177,14 +198,14 @@ SETTINGS: Tuple[Setting, ...] = (
             ("_volcano_dir", _path, "directory of Volcano's *.host files", Path("/etc/volcano")),
             ("_disk_targets", _targets, "disk-size targets", (("root", Path("/")), ("shm", Path("/dev/shm")),
                                                               ("cache", Path("/cache")))),
-            ("_root_min_gb", _number(0), "minimum size of the root filesystem, GB", 32.0),
-            ("_shm_min_gb", _number(0), "minimum size of /dev/shm, GB", 1.0),
-            ("_cache_min_gb", _number(0), "minimum size of /cache, GB", 32.0),
+            ("_root_min_gb", _number(0, 1e6), "minimum size of the root filesystem, GB", 32.0),
+            ("_shm_min_gb", _number(0, 1e6), "minimum size of /dev/shm, GB", 1.0),
+            ("_cache_min_gb", _number(0, 1e6), "minimum size of /cache, GB", 32.0),
             ("_ulimit", _choice(("auto", "always", "never")), "when to check ulimits", "auto"),
-            ("_memlock_min_kb", _integer(0), "minimum max-locked-memory, KB", 16000),
-            ("_nofile_min", _integer(0), "minimum open files", 1000000),
-            ("_stack_min_kb", _integer(0), "minimum stack size, KB", 8000),
-            ("_nproc_min", _integer(0), "minimum user processes", 1000000),
+            ("_memlock_min_kb", _integer(0, 1 << 40), "minimum max-locked-memory, KB", 16000),
+            ("_nofile_min", _integer(0, 1 << 31), "minimum open files", 1000000),
+            ("_stack_min_kb", _integer(0, 1 << 40), "minimum stack size, KB", 8000),
+            ("_nproc_min", _integer(0, 1 << 31), "minimum user processes", 1000000),
             ("_accelerator", _choice(("auto", "gpu", "npu", "none")), "which accelerator check runs", "auto"),
             ("_dev_dir", _path, "where device nodes are looked for", Path("/dev")),
             ("_tool_timeout_seconds", _seconds, "timeout of nvidia-smi / npu-smi", 10.0),
@@ -203,9 +224,9 @@ SETTINGS: Tuple[Setting, ...] = (
             ("region", str, "signing region (default: from the endpoint's host, obs.<region>.)", ""),
             ("path_style", _choice(("auto", "on", "off")), "path-style addressing (auto: on for IPs and "
              "non-Huawei hosts)", "auto"),
-            ("workers", _integer(1), "concurrent requests", 16),
-            ("part_mb", _number(1), "part size of ranged downloads and multipart uploads, MB", 32.0),
-            ("large_mb", _number(1), "objects at least this big go in parallel parts, MB", 64.0),
+            ("workers", _integer(1, 256), "concurrent requests", 16),
+            ("part_mb", _number(1, 5120), "part size of ranged downloads and multipart uploads, MB", 32.0),
+            ("large_mb", _number(1, 1 << 20), "objects at least this big go in parallel parts, MB", 64.0),
             ("retry_seconds", _seconds, "how long one request is retried", 120.0),
             ("progress_seconds", _seconds, "interval of progress lines", 10.0),
         )
@@ -221,14 +242,14 @@ SETTINGS: Tuple[Setting, ...] = (
             cli=False),
     Setting("worker_hosts", "VC_WORKER_HOSTS", str, "the job's node domain names, comma-separated, worker-0 first",
             "", cli=False),
-    Setting("torchrun_master_port", "MA_TORCHRUN_MASTER_PORT", _integer(1), "torchrun's --master_port on "
+    Setting("torchrun_master_port", "MA_TORCHRUN_MASTER_PORT", _port, "torchrun's --master_port on "
             "multi-node jobs", 18888, cli=False),
     Setting("extra_torchrun_params", "MA_EXTRA_TORCHRUN_PARAMS", str, "extra torchrun flags; one it names "
             "replaces the preset one", "", cli=False),
     Setting("ms_ranktable_enable", "MS_RANKTABLE_ENABLE", _switch, "give msrun --rank_table_file", False, cli=False),
-    Setting("msrun_cluster_time_out", "MSRUN_CLUSTER_TIME_OUT", _integer(1), "msrun's --cluster_time_out, seconds",
-            600, cli=False),
-    Setting("msrun_master_port", "MA_RUNTIME_MSRUN_MASTER_PORT", _integer(1), "msrun's --master_port (its own "
+    Setting("msrun_cluster_time_out", "MSRUN_CLUSTER_TIME_OUT", _integer(1, WEEK_SECONDS), "msrun's "
+            "--cluster_time_out, seconds", 600, cli=False),
+    Setting("msrun_master_port", "MA_RUNTIME_MSRUN_MASTER_PORT", _port, "msrun's --master_port (its own "
             "default)", 8118, cli=False),
     Setting("master_resolve_seconds", "MA_RUNTIME_MASTER_RESOLVE_SECONDS", _seconds, "how long to wait for "
             "worker-0's name to resolve (msrun wants its IP)", 120.0, cli=False),
@@ -262,6 +283,7 @@ class JobSpec:
     task_index: int
     num_hosts: int
     num_gpus: int
+    nproc_per_node: Optional[int]
     proc_start_cnt: int
     schedule_cnt: int
     stop_grace_seconds: float
@@ -403,24 +425,20 @@ def _config_path(flag_value: Optional[str], environ: Mapping[str, str]) -> Optio
         return None
     where = "--config" if flag_value is not None else CONFIG_ENV
     path = Path(text).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"{where}={text}: no such job file", hint="give the path of a YAML job file")
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        raise ConfigError(f"{where}={shown(text)}: no such job file", hint="give the path of a YAML job file") from None
+    if not stat.S_ISREG(mode):
+        from ma_runtime.files import kind_of
+
+        raise ConfigError(f"{where}={shown(text)} is {kind_of(mode)}, not a job file",
+                          hint="give the path of a YAML job file") from None
     return path
 
 
 def _read_job_file(path: Path) -> Dict[str, Any]:
-    # PyYAML costs ~25 ms to import; only jobs that have a file pay it.
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"job file {path}: YAML syntax error{where}: {problem}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"job file {path}: cannot read it: {exc}") from None
+    data = _parse_yaml(path, _read_bounded(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -429,11 +447,85 @@ def _read_job_file(path: Path) -> Dict[str, Any]:
     known = set(SETTINGS_BY_NAME) | set(FILE_ONLY_KEYS)
     for key in data:
         if key not in known:
-            raise ConfigError(
-                f"job file {path}: unknown key '{_dotted(key)}'",
-                hint=f"known keys: {', '.join(sorted(_dotted(k) for k in known))}",
-            )
+            raise ConfigError(f"job file {path}: unknown key '{_dotted(key)}'", hint=_suggestion(key, known))
     return data
+
+
+def _read_bounded(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_JOB_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"job file {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_JOB_FILE_BYTES:
+        raise ConfigError(f"job file {path} is over {MAX_JOB_FILE_BYTES >> 20} MiB: not a job file",
+                          hint="a job file holds settings, inputs and hyperparameters; data belongs in inputs")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"job file {path}: not UTF-8 text (byte {exc.start})",
+                          hint="save the job file as UTF-8") from None
+
+
+def _parse_yaml(path: Path, text: str) -> Any:
+    """The document, built only after its node graph passed the bounds: aliases expanding past
+    MAX_JOB_FILE_NODES, nesting deeper than MAX_JOB_FILE_DEPTH, and keys that are not strings are
+    refused before anything big is built."""
+    # PyYAML costs ~25 ms to import; only jobs that have a file pay it.
+    import yaml
+
+    loader_class = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    loader = loader_class(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(path, node)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"job file {path}: YAML syntax error{where}: {problem}") from None
+    finally:
+        loader.dispose()
+
+
+def _check_nodes(path: Path, root: Any) -> None:
+    """Walks the composed graph as construction would expand it (an alias counts every time it is used)."""
+    from yaml import MappingNode, SequenceNode
+
+    visited = 0
+    todo = [(root, 1)]
+    while todo:
+        node, depth = todo.pop()
+        visited += 1
+        if visited > MAX_JOB_FILE_NODES:
+            raise ConfigError(f"job file {path}: expands to more than {MAX_JOB_FILE_NODES} values (YAML aliases?)",
+                              hint="a job file this large is not a job file; write the values out")
+        if depth > MAX_JOB_FILE_DEPTH:
+            raise ConfigError(f"job file {path}: nested deeper than {MAX_JOB_FILE_DEPTH} levels",
+                              hint="the job file's sections are at most two levels deep")
+        if isinstance(node, MappingNode):
+            for key, value in node.value:
+                if key.tag != "tag:yaml.org,2002:str":
+                    line = key.start_mark.line + 1
+                    raise ConfigError(f"job file {path}: line {line}: the key {shown(str(key.value))} is not a "
+                                      f"string ({key.tag.rsplit(':', 1)[-1]})",
+                                      hint=f"quote it if it is meant as a name: \"{key.value}\":")
+                todo.append((value, depth + 1))
+        elif isinstance(node, SequenceNode):
+            todo.extend((item, depth + 1) for item in node.value)
+
+
+def _suggestion(key: str, known) -> str:
+    import difflib
+
+    names = sorted(_dotted(k) for k in known)
+    close = difflib.get_close_matches(_dotted(key), names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'? (the README's Settings table lists every key)"
+    return "the README's Settings table lists every key"
 
 
 def _flatten_sections(path: Path, data: Dict[str, Any]) -> Dict[str, Any]:
@@ -475,8 +567,15 @@ def _resolve(setting: Setting, flags: Mapping[str, str], environ: Mapping[str, s
         try:
             return setting.parse(str(raw)), source
         except BadValue as exc:
-            raise ConfigError(f"{where}={str(raw)!r} {exc}", hint=f"{setting.env} is the {setting.help}") from None
+            raise ConfigError(f"{where}={shown(str(raw))} {exc}", hint=f"{setting.env}: {setting.help}") from None
     return None
+
+
+def shown(value: str) -> str:
+    """A bad value as an error line quotes it: repr'd, and cut (a 30 000-letter value is not a message)."""
+    if len(value) <= _SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:_SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 def _fill_defaults(values: Dict[str, Any], sources: Dict[str, str]) -> List[str]:

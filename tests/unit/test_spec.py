@@ -1,6 +1,7 @@
 """JobSpec: precedence, defaults, and every bad input as one line with exit code 78."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -76,13 +77,15 @@ def test_hyperparameters_keep_order_and_render_booleans(tmp_path):
     "env, text, expected",
     [
         ({"MA_NUM_GPUS": "abc"}, None, "MA_NUM_GPUS='abc' is not a whole number"),
-        ({"VC_TASK_INDEX": "-1"}, None, "VC_TASK_INDEX='-1' must be >= 0"),
-        ({"MA_NUM_HOSTS": "0"}, None, "MA_NUM_HOSTS='0' must be >= 1"),
+        ({"VC_TASK_INDEX": "-1"}, None, "VC_TASK_INDEX='-1' must be between 0 and 99999"),
+        ({"MA_NUM_HOSTS": "0"}, None, "MA_NUM_HOSTS='0' must be between 1 and 100000"),
         ({"MA_RUNTIME_STOP_GRACE_SECONDS": "soon"}, None, "MA_RUNTIME_STOP_GRACE_SECONDS='soon' is not a number"),
         ({"MA_RUNTIME_LOG_FORMAT": "xml"}, None, "MA_RUNTIME_LOG_FORMAT='xml' must be one of logfmt, json"),
         ({"MA_VJ_NAME": "a/b"}, None, "MA_VJ_NAME='a/b' is not a valid Volcano job name"),
         ({}, "num_gpus: [1, 2\n", "YAML syntax error at line 2"),
         ({}, "num_gpu: 1\n", "unknown key 'num_gpu'"),
+        ({}, "num_gpu: 1\n", "did you mean 'num_gpus'?"),
+        ({}, "preflight: {shm_min_g: 1}\n", "did you mean 'preflight.shm_min_gb'?"),
         ({}, "- a\n- b\n", "the top level must be a mapping"),
         ({}, "num_gpus: abc\n", "job file key 'num_gpus'='abc' is not a whole number"),
         ({}, "num_gpus: {a: 1}\n", "job file key 'num_gpus': expected a single number or string"),
@@ -150,3 +153,107 @@ def test_load_raises_config_error_not_exit(tmp_path):
     with pytest.raises(ConfigError) as caught:
         spec.load({"num_gpus": "x"}, {"MA_HOME": str(tmp_path)})
     assert "--num-gpus='x'" in caught.value.reason
+
+
+# --- hardening: numbers have ranges, job files have bounds (issue 10, items 10 and 16) ---------------------
+
+
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        ("MA_TORCHRUN_MASTER_PORT", "99999999", "must be between 1 and 65535"),
+        ("MA_RUNTIME_MSRUN_MASTER_PORT", "0", "must be between 1 and 65535"),
+        ("MA_RUNTIME_RANKTABLE_TIMEOUT", "1e308", "must be a number between 0 and 604800"),
+        ("MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS", "nan", "must be a number between 0 and 604800"),
+        ("MA_RUNTIME_STOP_GRACE_SECONDS", "inf", "must be a number between 0 and 604800"),
+        ("MA_RUNTIME_STORAGE_RETRY_SECONDS", "-1", "must be a number between 0 and 604800"),
+        ("MA_RUNTIME_STORAGE_WORKERS", "100000", "must be between 1 and 256"),
+        ("MA_NUM_GPUS", "9" * 5000, "is not a whole number (expected 0 to 1024)"),
+        ("MA_NUM_GPUS", "1e3", "is not a whole number"),
+        ("MSRUN_CLUSTER_TIME_OUT", "99999999999", "must be between 1 and 604800"),
+        ("MA_RUNTIME_NPROC_PER_NODE", "0", "must be between 1 and 1024"),
+    ],
+)
+def test_every_number_has_a_documented_range(tmp_path, name, value, expected):
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path), name: value})
+    assert expected in caught.value.reason
+    assert name in caught.value.reason
+
+
+def test_every_numeric_setting_declares_its_range():
+    # The README's range column is generated from the same bounds: a number without one is a gap.
+    for setting in spec.SETTINGS:
+        if getattr(setting.parse, "range", None) is None:
+            assert setting.parse not in (int, float), setting.name
+    numeric = [s for s in spec.SETTINGS if getattr(s.parse, "range", None)]
+    assert len(numeric) >= 25
+
+
+def test_a_huge_bad_value_is_quoted_short_and_rejected_at_once(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path), "MA_NUM_GPUS": "x" * 30_000})
+    assert "(30000 characters)" in caught.value.reason
+    assert len(caught.value.reason) < 300
+
+
+BOMB = """\
+a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+preflight: {checks: [*h, *h, *h, *h, *h, *h, *h, *h, *h]}
+"""
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (BOMB, "expands to more than 100000 values"),
+        ("hyperparameters: " + "[" * 40 + "1" + "]" * 40 + "\n", "nested deeper than 32 levels"),
+        ("1: 2\n", "the key '1' is not a string (int)"),
+        ("true: 2\n", "the key 'true' is not a string (bool)"),
+        ("~: 2\n", "is not a string (null)"),
+        ("hyperparameters:\n  1: 0.5\n", "line 2: the key '1' is not a string"),
+        ("num_gpus: 1\n" + "#" * (1 << 20) + "\n", "is over 1 MiB: not a job file"),
+    ],
+)
+def test_hostile_job_files_are_refused_in_one_line(tmp_path, text, expected):
+    path = write_job(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path)}, path)
+    assert expected in caught.value.reason
+
+
+def test_an_alias_within_bounds_still_works(tmp_path):
+    path = write_job(tmp_path, "preflight:\n  checks: &c [dns, disk-size]\n  warn_only: *c\n")
+    resolved = spec.load({}, {"MA_HOME": str(tmp_path)}, path)
+    assert resolved.preflight_warn_only == ("dns", "disk-size")
+
+
+def test_job_file_that_is_not_utf8_or_not_a_file(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"task_name: caf\xe9\n")
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path)}, str(latin))
+    assert "not UTF-8 text" in caught.value.reason
+    for special, kind in (("/dev/zero", "a character device"), (str(tmp_path), "a directory")):
+        with pytest.raises(ConfigError) as caught:
+            spec.load({}, {"MA_HOME": str(tmp_path)}, special)
+        assert f"is {kind}, not a job file" in caught.value.reason
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError) as caught:  # refused without opening: a FIFO would block the read
+        spec.load({}, {"MA_HOME": str(tmp_path)}, str(fifo))
+    assert "is a FIFO, not a job file" in caught.value.reason
+
+
+def test_hostile_job_file_end_to_end_is_one_line_78(tmp_path, job_env):
+    result = run_ma(["--config", write_job(tmp_path, BOMB), "true"], job_env, timeout=30)
+    assert result.returncode == 78
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "expands to more than" in result.stderr

@@ -1,0 +1,96 @@
+"""Every file the runtime writes goes through here: atomically, and never over something that is not a file.
+
+A path the runtime writes to (the termination message, the converted rank table,
+its records, a file `ranktable convert` is told to write) may already hold
+something else: a device (`/dev/full`), a FIFO, a socket, a directory. Renaming a
+temporary file over it would replace that node with a regular file, so the rule
+is one place: the target must be absent or a regular file (a symlink is followed
+to one, and the link is kept). Anything else is refused with `NotAFile`, which
+callers turn into their own one-line error.
+"""
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Union
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+class NotAFile(OSError):
+    """The path holds something the runtime must not replace; `strerror` says what it is."""
+
+    def __init__(self, path: Union[str, Path], kind: str):
+        super().__init__(errno.EEXIST, f"{kind} is in the way (only a regular file is ever replaced)", str(path))
+        self.kind = kind
+
+
+def kind_of(mode: int) -> str:
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def writable_target(path: Union[str, Path]) -> Path:
+    """The path to write: `path`, or the file a symlink at `path` leads to. Raises NotAFile when that
+    exists and is not a regular file."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode  # follows symlinks: a link to a regular file is fine
+    except FileNotFoundError:
+        return Path(os.path.realpath(path)) if os.path.islink(path) else path  # a dangling link: write its target
+    except NotADirectoryError:
+        raise NotAFile(path, "a file where a directory should be") from None
+    if not stat.S_ISREG(mode):
+        raise NotAFile(path, kind_of(mode))
+    return Path(os.path.realpath(path)) if os.path.islink(path) else path
+
+
+def write_atomically(path: Union[str, Path], data: Union[bytes, str], mode: int = 0o644) -> None:
+    """Writes `data` to a temporary file beside the target, then renames it into place: a reader sees the
+    old file or the new one, never half of one. Raises NotAFile (see `writable_target`) or the OSError."""
+    target = writable_target(path)
+    payload = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def open_append(path: Union[str, Path]) -> int:
+    """A descriptor appending to `path` (created if absent); NotAFile for anything but a regular file.
+
+    O_NONBLOCK on the open: a FIFO at the path must be refused, not waited on for a reader."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without reader, a directory
+            writable_target(path)  # raises NotAFile naming what is there
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotAFile(path, kind_of(mode))
+    os.set_blocking(fd, True)
+    return fd
