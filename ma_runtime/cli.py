@@ -12,7 +12,7 @@ from typing import List, NoReturn, Optional, Sequence, Tuple
 
 from ma_runtime import __version__
 from ma_runtime.errors import ExitCode
-from ma_runtime.spec import CONFIG_ENV, SETTINGS, BadValue, parse_check_names
+from ma_runtime.spec import CONFIG_ENV, SETTINGS, BadValue, parse_check_names, parse_seconds, shown
 
 _EXIT_CODES = "\n".join(
     f"  {int(code):>3}  {code.name.lower().replace('_', ' ')}" for code in ExitCode if code != ExitCode.OK
@@ -143,13 +143,11 @@ def _ranktable_parser() -> _Parser:
 
 
 def _seconds(text: str) -> float:
+    # The settings' own parser: finite, 0 to a week (nan would make the wait spin forever).
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
-    return value
+        return parse_seconds(text)
+    except BadValue as exc:
+        raise argparse.ArgumentTypeError(f"{shown(text)} {exc}") from None
 
 
 def ranktable_main(argv: Sequence[str]) -> int:

@@ -265,6 +265,8 @@ SETTINGS: Tuple[Setting, ...] = (
 SETTINGS_BY_NAME = {setting.name: setting for setting in SETTINGS}
 # Parses `--only dns,disk-size` and MA_RUNTIME_PREFLIGHT_CHECKS alike.
 parse_check_names = _names(PREFLIGHT_CHECKS)
+# Parses a duration the way every *_SECONDS setting is parsed (`ranktable wait --timeout`).
+parse_seconds = _seconds
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters", "inputs", "outputs")
 # Job-file sections whose keys are settings named `<section>_<key>`.
