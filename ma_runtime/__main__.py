@@ -1,3 +1,3 @@
-from ma_runtime.cli import main
+from ma_runtime.cli import entry_main
 
-raise SystemExit(main())
+entry_main()

@@ -116,6 +116,8 @@ class _Context:
 
     def __init__(self, masker: Masker):
         self.masker = masker
+        # The one name of this run: in its log lines, its workers' lineage, its termination message.
+        self.run_id = os.urandom(6).hex()
         self.spec: Optional[spec_module.JobSpec] = None
         self.task_log: Optional[Sink] = None
         self.k8s_path = termination.kubernetes_path(os.environ)
@@ -133,6 +135,10 @@ class _Context:
                 hint="set MA_LOG_DIR (or --log-dir) to a writable directory",
             ) from None
         logs.add_sink(self.task_log)
+        # An earlier run's verdict would read as this run's: the task log (appended) keeps the history.
+        if termination.remove_stale(self.spec.termination_path):
+            logs.get_logger().info("removed an earlier run's termination message",
+                                   path=str(self.spec.termination_path))
 
     def fail(self, failure: RuntimeFailure) -> int:
         logs.get_logger().error(
@@ -153,7 +159,7 @@ class _Context:
     def write_termination(self, **fields) -> None:
         # Without a usable log directory (bad configuration), only Kubernetes' copy.
         log_copy = self.spec.termination_path if self.spec and self.task_log else None
-        message = termination.build(masker=self.masker, **fields)
+        message = termination.build(masker=self.masker, run_id=self.run_id, **fields)
         try:
             kept = not termination.write(message, log_copy, self.k8s_path, self.k8s_before)
         except OSError as exc:
@@ -312,7 +318,7 @@ def _tool_failure(log, failure: RuntimeFailure) -> int:
 def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged,
                  rank_table=None) -> int:  # rank_table: a ranktable.Prepared, when the job has one
     log = logs.get_logger()
-    run_id = os.urandom(6).hex()
+    run_id = context.run_id
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (§12 item 21).
     argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
     resolve = functools.partial(_resolve_until, seconds=spec.master_resolve_seconds)
@@ -363,7 +369,7 @@ def _spawn_all(plan, base_env: Mapping[str, str], context: _Context) -> List[Wor
     several = len(plan.workers) > 1
     # One Sink object per destination, shared by every worker: its lock keeps lines whole across ranks.
     stdout, stderr = Sink(1, "<stdout>"), logs.stderr_sink()
-    task_log = Sink(context.task_log.fd, context.task_log.name, console=True) if several else context.task_log
+    task_log = context.task_log.as_console() if several else context.task_log
     workers: List[Worker] = []
     try:
         for planned in plan.workers:
@@ -438,8 +444,9 @@ def _worker_env(spec: spec_module.JobSpec, run_id: str) -> Dict[str, str]:
 
 def _finish(outcome: Outcome, worker: Worker, context: _Context, plan=None) -> int:
     log = logs.get_logger()
-    signal_name = SIGNAL_NAMES.get(-outcome.returncode) if outcome.returncode < 0 else None
-    rank, exit_code = _failed_rank(outcome, worker, plan)
+    rank, returncode, exit_code = _failed_rank(outcome, worker, plan)
+    # The status that explains the exit: the failing rank's when the launcher named one (torchrun's own is 1).
+    signal_name = SIGNAL_NAMES.get(-returncode) if returncode < 0 else None
     log.info(
         "command exited",
         exit_code=exit_code,
@@ -454,7 +461,7 @@ def _finish(outcome: Outcome, worker: Worker, context: _Context, plan=None) -> i
     if split:
         log.warning("lines over the length limit were cut to bound memory", count=split)
     if exit_code != 0:
-        reason, category, hint = _explain(outcome, signal_name)
+        reason, category, hint = _explain(outcome, signal_name, exit_code)
         if rank is not None and outcome.stop_signal is None:
             reason = f"rank {rank} failed first: {reason}"
         context.write_termination(
@@ -472,26 +479,26 @@ def _finish(outcome: Outcome, worker: Worker, context: _Context, plan=None) -> i
 
 
 def _failed_rank(outcome: Outcome, worker: Worker, plan) -> tuple:
-    """(rank that failed first or None, the job's exit code).
+    """(rank that failed first or None, its Popen-style status, the job's exit code).
 
-    RTF: the worker that failed first. torchrun: the root cause its summary names, whose exit
-    code replaces torchrun's own 1 (a stop request keeps 128+N)."""
+    RTF: the worker that failed first. torchrun: the root cause its summary names, whose status
+    replaces torchrun's own 1 (a stop request keeps 128+N)."""
     if outcome.exit_code == 0 or plan is None:
-        return None, outcome.exit_code
+        return None, outcome.returncode, outcome.exit_code
     if plan.method == plan_module.TORCHRUN and outcome.stop_signal is None:
         cause = failures.torchrun_root_cause(_tail(worker, 60))
-        if cause is not None:
-            return cause.rank, exit_code_of_status(cause.returncode) or outcome.exit_code
+        if cause is not None and cause.returncode != 0:
+            return cause.rank, cause.returncode, exit_code_of_status(cause.returncode)
     failed = getattr(outcome, "failed_worker", None)
     ranks = {planned.name: planned.rank for planned in plan.workers}
-    return ranks.get(failed), outcome.exit_code
+    return ranks.get(failed), outcome.returncode, outcome.exit_code
 
 
 def _stop_name(outcome: Outcome) -> Optional[str]:
     return SIGNAL_NAMES.get(outcome.stop_signal) if outcome.stop_signal else None
 
 
-def _explain(outcome: Outcome, signal_name: Optional[str]):
+def _explain(outcome: Outcome, signal_name: Optional[str], exit_code: int):
     """(reason, category, hint) for a non-zero exit."""
     if outcome.stop_signal is not None:
         stop = SIGNAL_NAMES[outcome.stop_signal]
@@ -510,7 +517,7 @@ def _explain(outcome: Outcome, signal_name: Optional[str]):
         )
     if signal_name:
         return f"the command died of {signal_name}", Category.USER.value, "see the last lines of its output"
-    return f"the command exited with code {outcome.exit_code}", Category.USER.value, "see the last lines of its output"
+    return f"the command exited with code {exit_code}", Category.USER.value, "see the last lines of its output"
 
 
 def _tail(worker: Worker, lines: int = TAIL_LINES) -> List[str]:

@@ -211,6 +211,26 @@ def ma_run(argv: Optional[Sequence[str]] = None) -> int:
     return run_main(list(sys.argv[1:] if argv is None else argv), "ma-run")
 
 
+def _standard_streams() -> None:
+    """First thing at every entry: a closed standard descriptor (`ma-run ... 2>&-`) is reopened on
+    /dev/null, or the next file the runtime opens would take its number (the task log as fd 1
+    gets the command's output twice) and Python's sys.stderr would be None. The text streams then
+    write undecodable bytes escaped (`\\xff`) instead of failing on them."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, once lower ones exist
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 - lives as long as the process
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(errors="backslashreplace")
+
+
 def _exit(code: int) -> NoReturn:
     # Skip the interpreter's teardown (~10 ms with structlog loaded): every file
     # the runtime wrote is closed by now, and only the std streams need a flush.
@@ -227,12 +247,15 @@ def ma_preflight(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def entry_ma_preflight() -> NoReturn:
+    _standard_streams()
     _exit(ma_preflight())
 
 
 def entry_main() -> NoReturn:
+    _standard_streams()
     _exit(main())
 
 
 def entry_ma_run() -> NoReturn:
+    _standard_streams()
     _exit(ma_run())

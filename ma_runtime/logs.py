@@ -9,11 +9,11 @@ so a runtime line is never spliced into a worker line.
 
 import json
 import shlex
-import sys
 from typing import Any, Dict, List, Optional
 
 import structlog
 
+from ma_runtime import output
 from ma_runtime.output import Sink
 from ma_runtime.redact import Masker
 
@@ -27,7 +27,11 @@ class _Outputs:
     """Where log lines go; a module-level singleton so handlers can add the task log late."""
 
     def __init__(self) -> None:
-        self.sinks: List[Sink] = [Sink(sys.stderr.fileno(), "<stderr>")]
+        # fd 2 itself, not sys.stderr: the entry points reopen closed standard descriptors on
+        # /dev/null first thing, but Python may have set sys.stderr to None before that.
+        self.sinks: List[Sink] = [Sink(2, "<stderr>")]
+        self.render: Any = None  # the configured renderer, for lines written outside structlog
+        self.masker: Optional[Masker] = None
 
 
 _outputs = _Outputs()
@@ -37,7 +41,7 @@ class SinkLogger:
     """structlog's final logger: writes each rendered line to every sink at once."""
 
     def msg(self, line: str) -> None:
-        data = (line + "\n").encode("utf-8", "replace")
+        data = (line + "\n").encode("utf-8", "backslashreplace")
         for sink in _outputs.sinks:
             sink.write(data)
 
@@ -78,9 +82,32 @@ def _logfmt_value(key: str, value: Any) -> str:
     return value
 
 
+class _SinkReporter(output.Reporter):
+    """Sinks' troubles as runtime log lines (a failed task log, a console whose reader left)."""
+
+    def warn(self, message: str, **fields: Any) -> None:
+        get_logger().warning(message, **fields)
+
+    def line(self, message: str, level: str = "info", **fields: Any) -> bytes:
+        """A line in the configured format, for a sink to write into itself (it cannot log through itself)."""
+        event = {"time": _now(), "level": level, "msg": message, "Component": COMPONENT, **fields}
+        masker = _outputs.masker or Masker()
+        event = {key: masker.data(value, key) for key, value in event.items()}
+        render = _outputs.render or render_logfmt
+        return (render(None, level, event) + "\n").encode("utf-8", "backslashreplace")
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
 def configure(log_format: str = "logfmt", level: str = "info", masker: Optional[Masker] = None) -> None:
     """(Re)configures structlog for the whole process; cheap enough to call twice."""
     renderer = render_logfmt if log_format == "logfmt" else structlog.processors.JSONRenderer(default=str)
+    _outputs.render, _outputs.masker = renderer, masker
+    output.set_reporter(_SinkReporter())
     structlog.configure(
         processors=[
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"),

@@ -13,7 +13,9 @@ it, with a few C-level `bytes.replace` calls per chunk.
 import collections
 import errno
 import os
+import select
 import threading
+import time
 from typing import Deque, List, Optional, Sequence, Tuple, Union
 
 READ_SIZE = 1 << 16
@@ -23,45 +25,143 @@ DEFAULT_MAX_LINE_BYTES = 64 << 20
 TAIL_BYTES = 16 << 10
 
 
-class Sink:
-    """One output file descriptor, shared by several writers."""
+class Reporter:
+    """How sinks tell of their troubles; `logs` installs one that writes runtime log lines."""
 
-    def __init__(self, fd: int, name: str, owns_fd: bool = False, console: Optional[bool] = None):
+    def warn(self, message: str, **fields) -> None:
+        """A warning for the runtime's log (called outside every sink's lock)."""
+
+    def line(self, message: str, **fields) -> bytes:
+        """One log line to write into a sink that works again."""
+        return f"{message}\n".encode("utf-8", "backslashreplace")
+
+
+reporter = Reporter()
+
+
+def set_reporter(new: Reporter) -> None:
+    global reporter
+    reporter = new
+
+
+class _State:
+    """What every Sink on one descriptor shares: the lock that keeps lines whole, and how writing goes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.gone = False  # for good: a console whose reader left, or a closed sink
+        self.failure: Optional[OSError] = None  # writing failed; tried again every RETRY_SECONDS
+        self.retry_at = 0.0
+        self.lost = 0  # bytes dropped since the failure
+        self.mid_line = False  # the failed write stopped inside a line
+
+
+class Sink:
+    """One output file descriptor, shared by several writers.
+
+    A write never raises: a worker's pipe must be drained whatever happens to one destination, or
+    the worker blocks on a full pipe. A console whose reader went away (EPIPE, EBADF) is dropped for
+    good. Any other failure (ENOSPC, EDQUOT, EFBIG, EROFS, EIO, ...) sets the sink aside with one
+    warning, counts what is lost, and tries again every RETRY_SECONDS: when space comes back the
+    sink carries on, after a line saying how much was lost.
+    """
+
+    RETRY_SECONDS = 1.0
+
+    def __init__(self, fd: int, name: str, owns_fd: bool = False, console: Optional[bool] = None,
+                 state: Optional[_State] = None):
         self.fd = fd
         self.name = name
         self._owns_fd = owns_fd
         # The console is the runtime's own stdout/stderr (what `kubectl logs` shows);
         # it alone gets a rank prefix, a log file keeps the worker's raw lines.
         self.console = (not owns_fd and fd in (1, 2)) if console is None else console
-        self._lock = threading.Lock()
-        self.broken = False
+        self._state = state or _State()
 
     @classmethod
     def open_append(cls, path: str) -> "Sink":
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        return cls(os.open(path, flags, 0o644), path, owns_fd=True)
+        from ma_runtime.files import open_append
+
+        return cls(open_append(path), path, owns_fd=True)
+
+    def as_console(self) -> "Sink":
+        """The same destination, labelled like a console (rank prefixes), sharing its lock and state."""
+        return Sink(self.fd, self.name, console=True, state=self._state)
+
+    @property
+    def broken(self) -> bool:
+        return self._state.gone or self._state.failure is not None
+
+    @property
+    def lost(self) -> int:
+        return self._state.lost
 
     def write(self, data: bytes) -> None:
-        with self._lock:
-            if self.broken:
+        state = self._state
+        with state.lock:
+            if state.gone:
                 return
-            view = memoryview(data)
-            try:
-                while view:
-                    view = view[os.write(self.fd, view) :]
-            except OSError as exc:
-                # A closed console (`ma-run ... | head`) must not stop the task log
-                # or the worker: stop writing here and carry on elsewhere.
-                if exc.errno not in (errno.EPIPE, errno.EBADF, errno.EIO, errno.ENOSPC):
-                    raise
-                self.broken = True
+            if state.failure is not None and not self._resume(data):
+                return
+            news = self._write_all(data)
+        if news:
+            reporter.warn(news[0], **news[1])
+
+    def _write_all(self, data: bytes):
+        """Writes `data`; on failure records it and returns the warning to give, else None."""
+        view = memoryview(data)
+        try:
+            while view:
+                try:
+                    view = view[os.write(self.fd, view):]
+                except BlockingIOError:  # a console someone else made non-blocking: wait, as a blocking write would
+                    select.select([], [self.fd], [], self.RETRY_SECONDS)
+        except OSError as exc:
+            return self._fail(exc, data, len(data) - len(view))
+        return None
+
+    def _fail(self, exc: OSError, data: bytes, written: int):
+        state = self._state
+        state.lost += len(data) - written
+        if not self._owns_fd and exc.errno in (errno.EPIPE, errno.EBADF):
+            # `ma-run ... | head`: the reader is gone and will not come back.
+            state.gone = True
+            return ("output stopped: its reader went away", {"sink": self.name, "error": exc.strerror})
+        state.failure = exc
+        state.retry_at = time.monotonic() + self.RETRY_SECONDS
+        state.mid_line = written > 0 and data[written - 1:written] not in LINE_ENDS
+        return (f"cannot write {self.name}: set aside, retried every {self.RETRY_SECONDS:g} s; the command and the "
+                "other outputs carry on", {"error": exc.strerror or str(exc)})
+
+    def _resume(self, data: bytes) -> bool:
+        """Called with the lock held while failing: True once the sink works again (the note is written)."""
+        state = self._state
+        now = time.monotonic()
+        if now < state.retry_at:
+            state.lost += len(data)
+            return False
+        note = (b"\n" if state.mid_line else b"") + reporter.line(
+            f"{state.lost} bytes of output were lost while {self.name} could not be written",
+            error=state.failure.strerror or str(state.failure), level="warning")
+        try:
+            written = os.write(self.fd, note)
+        except OSError:
+            state.retry_at = now + self.RETRY_SECONDS
+            state.lost += len(data)
+            return False
+        if written < len(note):  # space for part of the note only: the disk is still full
+            state.mid_line, state.retry_at = True, now + self.RETRY_SECONDS
+            state.lost += len(data)
+            return False
+        state.failure, state.lost, state.mid_line = None, 0, False
+        return True
 
     def close(self) -> None:
-        with self._lock:
+        with self._state.lock:
             if self._owns_fd:
                 os.close(self.fd)
                 self._owns_fd = False
-            self.broken = True
+            self._state.gone = True
 
 
 def _last_line_end(chunk: bytes) -> int:
@@ -109,6 +209,7 @@ class LinePump(threading.Thread):
         self._tail: Deque[bytes] = collections.deque()
         self._tail_bytes = 0
         self.lines_split = 0
+        self._emit_failed = False
 
     def run(self) -> None:
         pending: List[bytes] = []
@@ -139,6 +240,15 @@ class LinePump(threading.Thread):
             os.close(self.fd)
 
     def _emit(self, data: bytes) -> None:
+        try:
+            self._emit_all(data)
+        except Exception as exc:  # a bug of ours must not stop the draining: the worker would block on its pipe
+            if not self._emit_failed:
+                self._emit_failed = True
+                reporter.warn("output forwarding failed; the output is still drained", pump=self.name,
+                              error=f"{type(exc).__name__}: {exc}")
+
+    def _emit_all(self, data: bytes) -> None:
         for sink in self.sinks:
             sink.write(data)
         if self.prefixed:

@@ -1,17 +1,33 @@
 """Masking of secrets (AK/SK, tokens, passwords) in anything the runtime prints.
 
-Three nets, because a secret can reach a log line three ways:
+Every string the runtime prints (log lines, `--print-config`, `plan`, the
+termination message, the preflight report) passes through `Masker.data` or
+`Masker.text`. Four nets, because a secret can reach a line four ways:
 - by name: a key or option whose name says it holds a secret (`password`,
-  `--secret_key=...`, `OBS_SECURITY_TOKEN`);
-- by value: the exact values of secret-named environment variables, wherever
-  they appear inside a longer string;
+  `--secret_key=...`, `OBS_SECURITY_TOKEN`); in a command line given as words,
+  an option named like a secret masks the next word (`--password hunter2`);
+- by value: the values of secret-named environment variables, wherever they
+  appear inside a longer string, and in the forms they take when something
+  quotes them: escaped (`repr`, JSON), URL-encoded, or split across lines;
 - by shape: strings that look like Huawei Cloud access keys (20 upper-case
   alphanumerics) or secret keys (40 alphanumerics).
+Values are masked, never names: in `no OBS credentials: OBS_ACCESS_KEY_ID not
+set`, the variable's name is what the reader needs.
+
+Every pattern is linear in its input: each key is anchored at the start of a
+word and bounded in length, so 16 KiB of `-` costs microseconds, not minutes
+(an unanchored `[A-Za-z0-9_.-]*password` backtracks quadratically).
+
+The same pass makes text printable: a string holding bytes that are not UTF-8
+(an argument `$'\\xff'`, decoded by Python with surrogate escapes) comes out with
+those bytes written `\\xff`, so no writer can fail on them.
 """
 
+import json
 import os
 import re
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, List, Mapping, Optional
+from urllib.parse import quote, quote_plus
 
 MASK = "******"
 
@@ -21,42 +37,73 @@ _SECRET_NAME = re.compile(
     re.IGNORECASE,
 )
 _SECRET_WORD = r"(?:passw(?:or)?d|secret|token|credential|private[_-]?key|access[_-]?key|api[_-]?key)"
-_VALUE = r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s,;\"']+)"
+_KEY_CHARS = r"[A-Za-z0-9_.-]"
+# A key starts where a word starts (the look-behind) and is at most 64 + 64 characters around
+# its secret word: both bounds keep the search linear.
+_KEY = rf"(?<!{_KEY_CHARS}){_KEY_CHARS}{{0,64}}?{_SECRET_WORD}{_KEY_CHARS}{{0,64}}"
+# A quoted value ends at its quote or within 4 KiB: an unclosed quote must not send every key
+# match to the end of the text.
+_VALUE = r"(?P<value>\"[^\"\n]{0,4096}\"|'[^'\n]{0,4096}'|[^\s,;\"']+)"
 # `SECRET_KEY=x`, `password: x`, `--api-token=x` inside a free-text string ...
-_INLINE_ASSIGNMENT = re.compile(
-    rf"(?P<key>[A-Za-z0-9_.-]*{_SECRET_WORD}[A-Za-z0-9_.-]*)(?P<sep>=|:[ \t]*){_VALUE}", re.IGNORECASE
-)
+_INLINE_ASSIGNMENT = re.compile(rf"(?P<key>{_KEY})(?P<sep>=|:[ \t]*){_VALUE}", re.IGNORECASE)
 # ... and `--api-token x`, where only the leading dashes make the next word a value.
 _INLINE_OPTION = re.compile(
-    rf"(?P<key>--?[A-Za-z0-9_.-]*{_SECRET_WORD}[A-Za-z0-9_.-]*)(?P<sep>[ \t]+)(?!-){_VALUE}", re.IGNORECASE
+    rf"(?P<key>(?<![A-Za-z0-9_.-])--?{_KEY_CHARS}{{0,64}}?{_SECRET_WORD}{_KEY_CHARS}{{0,64}})"
+    rf"(?P<sep>[ \t]+)(?!--){_VALUE}",
+    re.IGNORECASE,
 )
 _AK_SHAPE = re.compile(r"\b[A-Z0-9]{20}\b")
 _SK_SHAPE = re.compile(r"\b[A-Za-z0-9]{40}\b")
 # A secret shorter than this is too likely to be a common word to mask by value.
 _MIN_VALUE_LEN = 6
+# Names the runtime's own messages use: never masked as if they were values.
+KNOWN_NAMES = frozenset(("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY", "OBS_SECURITY_TOKEN"))
 
 
 def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+def printable(text: str) -> str:
+    """`text` with undecodable bytes (surrogate escapes) written as `\\xNN`: safe for any UTF-8 writer."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text
+
+
+def quoted_forms(value: str) -> List[str]:
+    """A secret as it may appear once something has quoted it: escaped by repr or JSON, URL-encoded
+    (a token in a signed URL), or one line at a time (a wrapped token)."""
+    forms = {value, printable(value), value.encode("unicode_escape", "backslashreplace").decode("ascii"),
+             repr(value)[1:-1], json.dumps(value)[1:-1], quote(value, safe=""), quote_plus(value)}
+    forms.update(line for line in re.split(r"[\r\n]+", value))
+    return [form for form in forms if len(form) >= _MIN_VALUE_LEN]
+
+
 class Masker:
     """Replaces secrets in strings and nested data; built once per process."""
 
-    def __init__(self, secret_values: Iterable[str] = ()):
-        values = sorted({v for v in secret_values if len(v) >= _MIN_VALUE_LEN}, key=len, reverse=True)
-        self._values = re.compile("|".join(map(re.escape, values))) if values else None
+    def __init__(self, secret_values: Iterable[str] = (), names: Iterable[str] = ()):
+        forms = {form for value in secret_values for form in quoted_forms(value)}
+        ordered = sorted(forms, key=len, reverse=True)  # the longest form first: no half-masked value
+        self._values = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        self._names = KNOWN_NAMES | frozenset(names)
 
     @classmethod
     def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> "Masker":
         environ = os.environ if environ is None else environ
-        return cls(value for name, value in environ.items() if is_secret_name(name))
+        return cls((value for name, value in environ.items() if is_secret_name(name)), names=environ.keys())
 
     def text(self, value: str) -> str:
+        value = printable(value)
         if self._values is not None:
             value = self._values.sub(MASK, value)
-        value = _INLINE_ASSIGNMENT.sub(_mask_inline, value)
-        value = _INLINE_OPTION.sub(_mask_inline, value)
+        value = _INLINE_ASSIGNMENT.sub(self._mask_inline, value)
+        value = _INLINE_OPTION.sub(self._mask_inline, value)
         value = _AK_SHAPE.sub(_mask_key_shape, value)
         return _SK_SHAPE.sub(_mask_key_shape, value)
 
@@ -67,14 +114,31 @@ class Masker:
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, Mapping):
-            return {k: self.data(v, str(k)) for k, v in value.items()}
+            return {printable(k) if isinstance(k, str) else k: self.data(v, str(k)) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
+            if value and all(isinstance(item, str) for item in value):
+                return self.words(value)
             return [self.data(item) for item in value]
         return value
 
+    def words(self, words: Iterable[str]) -> List[str]:
+        """A command line given as words: each masked, and the word after an option named like a secret
+        (`--password hunter2`) masked whole, since nothing inside the word says it is one."""
+        masked: List[str] = []
+        after_secret_option = False
+        for word in words:
+            if after_secret_option and not word.startswith("--"):
+                masked.append(MASK)
+                after_secret_option = False
+                continue
+            masked.append(self.text(word))
+            after_secret_option = word.startswith("-") and "=" not in word and is_secret_name(word.lstrip("-"))
+        return masked
 
-def _mask_inline(match: "re.Match[str]") -> str:
-    return f"{match.group('key')}{match.group('sep')}{MASK}"
+    def _mask_inline(self, match: "re.Match[str]") -> str:
+        if match.group("value") in self._names:
+            return match.group(0)  # `credentials: OBS_ACCESS_KEY_ID`: a variable's name, not its value
+        return f"{match.group('key')}{match.group('sep')}{MASK}"
 
 
 def _mask_key_shape(match: "re.Match[str]") -> str:

@@ -8,12 +8,17 @@ is kept: the training code knows its failure better than we do.
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ma_runtime import files
+
 # Kubernetes truncates a container's termination message at 4096 bytes.
 MAX_BYTES = 4096
+# A tail line longer than this is cut: one 16 KiB line must not push every other line out.
+TAIL_LINE_CHARS = 1024
 DEFAULT_PATH = "/dev/termination-log"
 PATH_ENV = "MA_RUNTIME_TERMINATION_LOG"
 
@@ -24,16 +29,29 @@ def kubernetes_path(environ) -> Path:
 
 
 def snapshot(path: Path) -> Optional[bytes]:
-    """What the file holds before the command runs (None when it is not there)."""
+    """What the file holds before the command runs (None when it is not there, or not a regular file:
+    a FIFO or /dev/zero at the path must neither block nor fill memory). Read up to a bound: the
+    kubelet reads no more than MAX_BYTES of it anyway."""
+    if not _is_regular(path):
+        return None
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            return f.read(MAX_BYTES * 4)
     except OSError:
         return None
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def build(
     *,
     stage: str,
+    run_id: Optional[str] = None,
     category: str,
     exit_code: int,
     reason: str,
@@ -45,6 +63,7 @@ def build(
 ) -> Dict[str, Any]:
     message = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "run_id": run_id,  # the run_id of the run's log lines: which run this verdict belongs to
         "stage": stage,
         "category": category,
         "exit_code": exit_code,
@@ -58,8 +77,11 @@ def build(
 
 
 def render(message: Dict[str, Any]) -> bytes:
-    """JSON within MAX_BYTES: the oldest tail lines go first, then long lines are cut."""
-    message = dict(message, tail=list(message.get("tail") or []))
+    """JSON within MAX_BYTES: tail lines cut to TAIL_LINE_CHARS, then the oldest go, then long texts are cut.
+    The last line is the likeliest to explain the failure, so it is the last to go."""
+    tail = [line if len(line) <= TAIL_LINE_CHARS else line[:TAIL_LINE_CHARS] + "..." for line in message.get("tail")
+            or []]
+    message = dict(message, tail=tail)
     data = _dump(message)
     while len(data) > MAX_BYTES and message["tail"]:
         message["tail"].pop(0)
@@ -72,15 +94,17 @@ def render(message: Dict[str, Any]) -> bytes:
 
 
 def _dump(message: Dict[str, Any]) -> bytes:
-    return json.dumps(message, ensure_ascii=False).encode("utf-8")
+    # backslashreplace: a path or argument with bytes that are not UTF-8 is written escaped, never a crash.
+    return json.dumps(message, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 def write(message: Dict[str, Any], log_path: Optional[Path], k8s_path: Path, k8s_before: Optional[bytes]) -> bool:
-    """Writes both copies; returns False when the command's own k8s message was kept."""
+    """Writes both copies; returns False when the command's own k8s message was kept. Raises OSError
+    (files.NotAFile when something other than a file sits at the log directory's path)."""
     data = render(message)
     if log_path is not None:
-        _write_atomically(log_path, data)
-    if k8s_before is None or not os.access(k8s_path, os.W_OK):
+        files.write_atomically(log_path, data)
+    if k8s_before is None or not _writable_file(k8s_path):
         return True
     current = snapshot(k8s_path)
     if current and current != k8s_before:
@@ -91,8 +115,18 @@ def write(message: Dict[str, Any], log_path: Optional[Path], k8s_path: Path, k8s
     return True
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+def _writable_file(path: Path) -> bool:
+    # A regular file only: opening a FIFO someone put there would block the exit.
+    return _is_regular(path) and os.access(path, os.W_OK)
+
+
+def remove_stale(log_path: Path) -> bool:
+    """Removes the message an earlier run left in the log directory (it would look like this run's);
+    True when there was one. Only a regular file is removed."""
+    try:
+        if not stat.S_ISREG(os.lstat(log_path).st_mode):
+            return False
+        os.unlink(log_path)
+    except OSError:
+        return False
+    return True

@@ -119,3 +119,24 @@ def can_unshare_pid() -> bool:
 needs_pid_namespace = pytest.mark.skipif(
     not can_unshare_pid(), reason="needs root (CAP_SYS_ADMIN) for unshare --pid --mount-proc"
 )
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Mounts small real tmpfs filesystems: tmpfs('name', '16m') -> path (a full disk on demand)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount tmpfs")
+    mounted = []
+
+    def mount(name, size):
+        path = tmp_path / name
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount tmpfs: {done.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)

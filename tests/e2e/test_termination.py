@@ -10,7 +10,7 @@ import time
 from tests.conftest import ACTOR, MA_RUN, log_dir, run_ma, wait_for_file
 
 TERMINATION = "modelarts-job-local-worker-0-termination.json"
-FIELDS = {"time", "stage", "category", "exit_code", "signal", "rank", "reason", "hint", "tail"}
+FIELDS = {"time", "run_id", "stage", "category", "exit_code", "signal", "rank", "reason", "hint", "tail"}
 
 
 def message(env):
