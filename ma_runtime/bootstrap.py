@@ -236,6 +236,8 @@ def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: 
         return _tool_failure(log, failure)
     except Exception as exc:  # a bug of ours: still one line and a code
         return _tool_failure(log, RuntimeFailure(f"internal error: {type(exc).__name__}: {exc}"))
+    for warning in plan.warnings:  # on stderr too: `--json` readers see the document, people see this
+        log.warning(warning)
     document = masker.data(plan.to_dict())
     sys.stdout.write(json.dumps(document, indent=2) + "\n" if as_json else plan_module.render(document))
     return ExitCode.OK
@@ -323,6 +325,8 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
     argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
     resolve = functools.partial(_resolve_until, seconds=spec.master_resolve_seconds)
     plan = plan_module.build(spec, plan_module.Context(argv, os.environ, rank_table, resolve))
+    for warning in plan.warnings:
+        log.warning(warning)
     pid1 = is_pid1()
     follower = None
     # First, so that a SIGTERM from now on is queued for the command, not lost

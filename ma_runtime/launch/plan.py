@@ -11,6 +11,19 @@ Every launcher's command gets the same appended arguments (inputs, outputs,
 hyperparameters): torchrun and msrun pass them to each rank, and every RTF copy
 has them. The plan lists only the environment each process adds or changes;
 the run starts from the runtime's own environment.
+
+Processes per node: MA_RUNTIME_NPROC_PER_NODE, else max(MA_NUM_GPUS, 1), for
+torchrun and msrun. RTF's count is the rank table's and plain's is one, so a
+setting that asks for another count is a configuration error there, not a
+silent surprise. The plan's summary (nodes, processes per node) is read back
+from the torchrun flags that will run, MA_EXTRA_TORCHRUN_PARAMS included.
+
+A launcher is looked for beside the command's Python first, then on PATH: a
+venv's `python` comes with its own torchrun or msrun, which runs with that venv.
+
+`warnings` holds what will go wrong although a plan can be made: the preflight
+failure that is certain from the device nodes and PATH (preflight/accelerator.py
+decides, no tool runs), when the run's preflight would stop on it.
 """
 
 import dataclasses
@@ -19,14 +32,18 @@ import re
 import shlex
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ma_runtime.errors import ConfigError
+from ma_runtime.preflight import accelerator
 
 RTF, TORCHRUN, MSRUN, PLAIN = "rtf", "torchrun", "msrun", "plain"
 METHODS = (RTF, TORCHRUN, MSRUN, PLAIN)
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?\Z")
 _NPU_NODE = re.compile(r"davinci\d+\Z")
+_COUNT = re.compile(r"[0-9]+\Z")
+# A count, or what torchrun takes instead and shows as given: `auto`, `cpu`, `gpu`, a node range `1:4`.
+Size = Union[int, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +65,14 @@ class Plan:
     method: str
     why: str  # how the method was chosen
     workers: Tuple[WorkerPlan, ...]
-    nodes: int
-    processes_per_node: int
+    nodes: Size
+    processes_per_node: Size
+    warnings: Tuple[str, ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
         return {"method": self.method, "why": self.why, "nodes": self.nodes,
-                "processes_per_node": self.processes_per_node, "workers": [w.to_dict() for w in self.workers]}
+                "processes_per_node": self.processes_per_node, "warnings": list(self.warnings),
+                "workers": [w.to_dict() for w in self.workers]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +111,9 @@ def _npu_nodes(dev_dir: Path) -> bool:
 def build(spec, context: Context) -> Plan:
     method, why = choose(spec)
     builder = {RTF: _rtf, TORCHRUN: _torchrun, MSRUN: _msrun, PLAIN: _plain}[method]
-    return builder(spec, context, why)
+    plan = builder(spec, context, why)
+    rejection = _preflight_rejection(spec, context, plan)
+    return dataclasses.replace(plan, warnings=(rejection,)) if rejection else plan
 
 
 def common_env(spec) -> Dict[str, str]:
@@ -103,7 +124,16 @@ def common_env(spec) -> Dict[str, str]:
 # --------------------------------------------------------------------------- plain and RTF
 
 
+def _per_node(spec) -> int:
+    return spec.nproc_per_node or max(spec.num_gpus, 1)  # MA_NUM_GPUS=0: one process
+
+
 def _plain(spec, context: Context, why: str) -> Plan:
+    if spec.nproc_per_node not in (None, 1):
+        raise ConfigError(f"MA_RUNTIME_NPROC_PER_NODE={spec.nproc_per_node} asks for {spec.nproc_per_node} processes "
+                          f"per node, but the plain launch starts one ({why})",
+                          hint="set MA_RUN_METHOD=torchrun or msrun to start several processes per node, or unset "
+                               "MA_RUNTIME_NPROC_PER_NODE")
     worker = WorkerPlan("command", tuple(context.argv), common_env(spec), logs={"task": str(spec.task_log_path)})
     return Plan(PLAIN, why, (worker,), spec.num_hosts, 1)
 
@@ -118,6 +148,11 @@ def _rtf(spec, context: Context, why: str) -> Plan:
     node = prepared.node
     if not node.devices:
         raise ConfigError(f"the rank table gives this node ({node.server_id}) no devices: nothing to start")
+    if spec.nproc_per_node not in (None, len(node.devices)):
+        raise ConfigError(f"MA_RUNTIME_NPROC_PER_NODE={spec.nproc_per_node}, but the rank-table launch starts one "
+                          f"process per device, and the rank table gives this node ({node.server_id}) "
+                          f"{len(node.devices)} device(s)",
+                          hint="unset MA_RUNTIME_NPROC_PER_NODE, or choose MA_RUN_METHOD=torchrun or msrun")
     workers = []
     for device in node.devices:
         logical = str(device.logical_id)
@@ -145,7 +180,7 @@ def _rtf(spec, context: Context, why: str) -> Plan:
 
 def _torchrun(spec, context: Context, why: str) -> Plan:
     launcher = _launcher(context, "torchrun", "torch (pip install torch)")
-    per_node = max(spec.num_gpus, 1)  # MA_NUM_GPUS=0: one process
+    per_node = _per_node(spec)
     if spec.num_hosts <= 1:
         preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={per_node}"]
     else:
@@ -155,9 +190,11 @@ def _torchrun(spec, context: Context, why: str) -> Plan:
                   f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
                   "--rdzv_backend=static"]
     extra = _split_extra(spec.extra_torchrun_params)
-    argv = [launcher, *_without_flags(preset, _flag_names(extra)), *extra, *_torchrun_program(context.argv)]
+    flags = [*_without_flags(preset, _flag_names(extra)), *extra]
+    argv = [launcher, *flags, *_torchrun_program(context.argv)]
     worker = WorkerPlan(TORCHRUN, tuple(argv), common_env(spec), logs={"task": str(spec.task_log_path)})
-    return Plan(TORCHRUN, why, (worker,), spec.num_hosts, per_node)
+    # What torchrun will do, so read from its flags (MA_EXTRA_TORCHRUN_PARAMS may have replaced the preset ones).
+    return Plan(TORCHRUN, why, (worker,), _flag_value(flags, "nnodes"), _flag_value(flags, "nproc_per_node"))
 
 
 def _torchrun_program(argv: Sequence[str]) -> List[str]:
@@ -189,6 +226,23 @@ def _flag_names(tokens: Sequence[str]) -> set:
 def _without_flags(preset: Sequence[str], names: set) -> List[str]:
     """A flag the extra parameters name replaces the preset one instead of appearing twice."""
     return [token for token in preset if _flag_name(token) not in names]
+
+
+def _flag_value(flags: Sequence[str], name: str) -> Size:
+    """The value torchrun takes for `--<name>` from its own flags: `--name=V` or `--name V`, the last one given
+    winning (argparse's rule); a count as a number, anything else as given."""
+    value = ""
+    for index, token in enumerate(flags):
+        if _flag_name(token) != name:
+            continue
+        spelled, equals, value = token.partition("=")
+        if not equals:
+            following = flags[index + 1] if index + 1 < len(flags) else ""
+            value = "" if following.startswith("-") else following
+        if not value:
+            raise ConfigError(f"MA_EXTRA_TORCHRUN_PARAMS gives {spelled} no value",
+                              hint=f"write it {spelled}=VALUE")
+    return int(value) if _COUNT.match(value) else value
 
 
 def master_host(spec, environ: Mapping[str, str]) -> str:
@@ -226,11 +280,23 @@ def _check_node_rank(spec) -> None:
 
 
 def _launcher(context: Context, name: str, package: str) -> str:
-    found = context.which(name, context.environ.get("PATH"))
+    """The launcher beside the command's Python first (installed with it, it runs with it), then on PATH."""
+    folder = _python_folder(context)
+    found = (folder and context.which(name, folder)) or context.which(name, context.environ.get("PATH"))
     if not found:
-        raise ConfigError(f"MA_RUN_METHOD={name}, but {name} is not installed (not on PATH)",
+        where = f"not in {folder} beside {context.argv[0]}, not on PATH" if folder else "not on PATH"
+        raise ConfigError(f"MA_RUN_METHOD={name}, but {name} is not installed ({where})",
                           hint=f"install it in the image: {package}")
     return found
+
+
+def _python_folder(context: Context) -> Optional[str]:
+    """The folder of the command's Python, named by its path or found on the job's PATH; None for other commands."""
+    program = context.argv[0] if context.argv else ""
+    if not _PYTHON.match(os.path.basename(program)):
+        return None
+    found = program if os.sep in program else context.which(program, context.environ.get("PATH", os.defpath))
+    return os.path.dirname(os.path.abspath(found)) if found else None
 
 
 # --------------------------------------------------------------------------- msrun
@@ -242,7 +308,7 @@ def _msrun(spec, context: Context, why: str) -> Plan:
     if not (len(argv) >= 2 and _PYTHON.match(os.path.basename(argv[0])) and argv[1].endswith(".py")):
         raise ConfigError(f"msrun runs a Python script, and the command is {shlex.join(argv)!r}",
                           hint="give the command as `python SCRIPT.py ARGS...`")
-    per_node = max(spec.num_gpus, 1)
+    per_node = _per_node(spec)
     if spec.num_hosts > 1:
         _check_node_rank(spec)
     master = "127.0.0.1" if spec.num_hosts <= 1 else context.resolve(master_host(spec, context.environ))
@@ -260,25 +326,53 @@ def _msrun(spec, context: Context, why: str) -> Plan:
                               hint="set RANK_TABLE_FILE (the platform does on NPU jobs), or unset MS_RANKTABLE_ENABLE")
         command.append(f"--rank_table_file={context.rank_table.path}")
     command += argv[1:]
-    env = {**common_env(spec), "PATH": _python_first(argv[0], context)}
+    env = {**common_env(spec), "PATH": _python_first(context)}
     worker = WorkerPlan(MSRUN, tuple(command), env, logs={"task": str(spec.task_log_path), "msrun": str(log_dir)})
     return Plan(MSRUN, why, (worker,), spec.num_hosts, per_node)
 
 
-def _python_first(python: str, context: Context) -> str:
+def _python_first(context: Context) -> str:
     """PATH with the command's Python first: msrun starts ranks with `python` from PATH, not its own."""
     path = context.environ.get("PATH", os.defpath)
-    found = python if os.sep in python else context.which(python, path)
-    if not found:
-        raise ConfigError(f"{python} is not on PATH", hint="name the job's interpreter by its full path")
-    folder = os.path.dirname(os.path.abspath(found))
+    folder = _python_folder(context)
+    if not folder:
+        raise ConfigError(f"{context.argv[0]} is not on PATH", hint="name the job's interpreter by its full path")
     return os.pathsep.join([folder, *(part for part in path.split(os.pathsep) if part and part != folder)])
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def _preflight_rejection(spec, context: Context, plan: Plan) -> Optional[str]:
+    """The accelerator check's certain failure, when the run's preflight would stop on it before this plan starts."""
+    if not spec.preflight_enabled:
+        return None
+    failure = accelerator.foreseen(spec, context.environ, context.which)
+    if failure is None or failure.item not in spec.preflight_checks or failure.item in spec.preflight_warn_only:
+        return None
+    advice = _without_accelerators(spec, plan, failure.code)
+    return f"preflight will fail {failure.code}: {failure.hint}" + (f"; {advice}" if advice else "")
+
+
+def _without_accelerators(spec, plan: Plan, code: str) -> str:
+    """How to run this plan on a machine without accelerators, where that is what the job may want."""
+    if spec.preflight_accelerator != "auto":
+        return (f"MA_RUNTIME_PREFLIGHT_ACCELERATOR={spec.preflight_accelerator} asks for this check; "
+                "set MA_RUNTIME_PREFLIGHT_ACCELERATOR=auto to let a CPU job skip it")
+    if spec.num_gpus == 0 or code.endswith(".too-few"):
+        return ""  # the check's own hint says what to fix
+    if plan.method in (TORCHRUN, MSRUN):
+        count = plan.processes_per_node if isinstance(plan.processes_per_node, int) else "N"
+        return (f"to run {count} processes per node on CPUs instead, set MA_NUM_GPUS=0 "
+                f"MA_RUNTIME_NPROC_PER_NODE={count}")
+    return "to run on CPUs instead, set MA_NUM_GPUS=0"
 
 
 def render(document: Mapping[str, Any]) -> str:
     """The plan for a terminal: the method, then each process's command line, environment and logs."""
     lines = [f"method: {document['method']} ({document['why']})",
              f"nodes: {document['nodes']}, processes per node: {document['processes_per_node']}"]
+    lines += [f"warning: {warning}" for warning in document["warnings"]]
     for worker in document["workers"]:
         lines.append(f"\n[{worker['name']}] {shlex.join(worker['argv'])}")
         lines += [f"  env  {name}={value}" for name, value in worker["env"].items()]

@@ -13,6 +13,13 @@ The check that does not apply returns one skipped() result saying why.
 The verdict (`verdict`) compares the healthy cards with max(MA_NUM_GPUS, 1) and gives
 one Result: too-few (fewer cards visible than needed), unhealthy (fail when the healthy
 ones are too few, warn when there are spares), health-warning (warn: NPU "Warning"), ok.
+
+`foreseen` tells, without running a tool, the failure that is already certain from the
+device nodes and PATH alone: no accelerator at all (missing), davinci nodes without
+davinci_manager (manager-missing), nodes but no tool (tool-missing), fewer nodes than
+MA_NUM_GPUS (too-few). `ma-runtime plan` warns with it.
+Where it can, it builds its Result with the functions the checks use; a test holds the
+two to the same item and code over every kind of node.
 """
 
 import dataclasses
@@ -20,7 +27,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
 
 from ma_runtime.preflight.model import Result, Status, ToolError, passed, skipped
 
@@ -54,6 +61,14 @@ NPU_KIND = Kind(
 )
 
 
+# (name, PATH) -> full path or None; the caller's, so that `ma-runtime plan` can look up with its own.
+Which = Callable[[str, Optional[str]], Optional[str]]
+
+
+def _which(name: str, path: Optional[str]) -> Optional[str]:
+    return shutil.which(name, path=path)
+
+
 class Choice(NamedTuple):
     flavour: Optional[str]  # gpu, npu, or None: neither check applies
     why: str  # how it was chosen, for the skip reason and the logs
@@ -77,7 +92,7 @@ def count_nodes(kind: Kind, names: List[str]) -> int:
     return sum(1 for name in names if kind.node_pattern.fullmatch(name))
 
 
-def choose(spec: Any, environ: Mapping[str, str]) -> Choice:
+def choose(spec: Any, environ: Mapping[str, str], which: Which = _which) -> Choice:
     setting = spec.preflight_accelerator
     if setting == "none":
         return Choice(None, "accelerator checks are off (MA_RUNTIME_PREFLIGHT_ACCELERATOR=none)")
@@ -91,21 +106,48 @@ def choose(spec: Any, environ: Mapping[str, str]) -> Choice:
         return Choice(GPU, f"GPU device nodes (nvidia<N>) under {dev_dir}")
     if spec.num_gpus == 0:
         return Choice(None, "CPU job: no accelerator device nodes and MA_NUM_GPUS=0")
-    return _by_tool(spec, environ)
+    return _by_tool(spec, environ, which)
 
 
-def _by_tool(spec: Any, environ: Mapping[str, str]) -> Choice:
-    # The same PATH the tool will run with: subprocess looks it up there, or in os.defpath.
-    path = environ.get("PATH", os.defpath)
+def _by_tool(spec: Any, environ: Mapping[str, str], which: Which) -> Choice:
     for kind in (GPU_KIND, NPU_KIND):
-        tool = kind.tool.split()[0]
-        if shutil.which(tool, path=path):
+        if _tool_on_path(kind, environ, which):
+            tool = kind.tool.split()[0]
             return Choice(kind.item, f"no device nodes under {spec.preflight_dev_dir}, but {tool} is on PATH")
     why = (
         f"MA_NUM_GPUS={spec.num_gpus} but no GPU or NPU device nodes were found under {spec.preflight_dev_dir}"
         " and neither nvidia-smi nor npu-smi is on PATH"
     )
     return Choice(GPU, why, missing=True)
+
+
+def _tool_on_path(kind: Kind, environ: Mapping[str, str], which: Which) -> bool:
+    # The same PATH the tool will run with: subprocess looks it up there, or in os.defpath.
+    return bool(which(kind.tool.split()[0], environ.get("PATH", os.defpath)))
+
+
+def foreseen(spec: Any, environ: Mapping[str, str], which: Which = _which) -> Optional[Result]:
+    """The fail Result the applicable check will give whatever its tool says, or None when it could pass."""
+    choice = choose(spec, environ, which)
+    if choice.flavour is None:
+        return None
+    if choice.missing:
+        return missing(spec, choice)
+    kind = GPU_KIND if choice.flavour == GPU else NPU_KIND
+    names = node_names(spec.preflight_dev_dir)
+    nodes = count_nodes(kind, names)
+    if kind is NPU_KIND and nodes and NPU_MANAGER not in names:
+        return manager_missing(spec, nodes)
+    if not _tool_on_path(kind, environ, which):
+        tool = kind.tool.split()[0]
+        return tool_error(kind, ToolError("missing", f"{tool} not found on PATH"), nodes, spec)
+    need = required(spec)
+    # Visible cards are at most the nodes, whatever the tool lists (see Census.visible).
+    if not nodes or nodes >= need:
+        return None
+    hint = (f"only {nodes} {kind.nodes} device nodes under {spec.preflight_dev_dir}, MA_NUM_GPUS needs {need};"
+            " check the container's device mounts and MA_NUM_GPUS")
+    return Result(kind.item, Status.FAIL, f"{kind.item}.too-few", nodes, need, hint=hint, unit="count")
 
 
 def flavour(spec: Any, environ: Mapping[str, str]) -> Optional[str]:
@@ -124,6 +166,15 @@ def not_applicable(kind: Kind, choice: Choice) -> Result:
 def missing(spec: Any, choice: Choice) -> Result:
     hint = f"{choice.why}: the container started without its accelerators; check the resource flavor and device mounts"
     return _failed(GPU_KIND, "missing", spec, hint, value=0)
+
+
+def manager_missing(spec: Any, nodes: int) -> Result:
+    hint = (
+        f"{nodes} davinci<N> nodes but no {NPU_MANAGER} under {spec.preflight_dev_dir}: start the container with"
+        f" --device=/dev/{NPU_MANAGER} --device=/dev/devmm_svm --device=/dev/hisi_hdc"
+    )
+    return Result(NPU, Status.FAIL, "npu.manager-missing", None, required(spec), hint=hint, unit="count",
+                  detail={"device_nodes": nodes})
 
 
 def tool_error(kind: Kind, error: ToolError, nodes: int, spec: Any) -> Result:

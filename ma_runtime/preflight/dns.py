@@ -9,6 +9,10 @@ does not resolve yet is retried in rounds, with backoff, until the deadline.
 Lookups run on a small pool of daemon threads: `socket.getaddrinfo` cannot be
 cancelled, and a hung one must neither hold up the check past its timeout nor
 keep the interpreter from exiting (which concurrent.futures' workers would do).
+
+The wait can last minutes, so it is reported while it lasts: once the first round
+has failed (a wait that is announced at once, with the setting that bounds it), then
+every PROGRESS_SECONDS. The check does not log; the runner passes a callback.
 """
 
 import dataclasses
@@ -20,9 +24,9 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from ma_runtime.preflight.model import Result, Status, passed, skipped
+from ma_runtime.preflight.model import Progress, Result, Status, passed, skipped
 from ma_runtime.spec import JobSpec
 
 ITEM = "dns"
@@ -33,12 +37,16 @@ TIMEOUT_MIN_SECONDS = 0.05
 UNRESOLVED_LISTED = 50  # names kept in detail["unresolved"]
 ERRORS_LISTED = 5  # names whose last error goes into detail["errors"]
 HINT_NAMES = 3  # names quoted in the hint
+PROGRESS_SECONDS = 5.0  # between two progress reports
+PROGRESS_NAMES = 5  # names quoted in a progress report
 
 # Runs one lookup; returns None when the name resolved, else what went wrong.
 Lookup = Callable[[str], Optional[str]]
+# Told, while the check waits: the names still unresolved, seconds since the start, seconds left.
+OnWait = Callable[[List[str], float, float], None]
 
 
-def run(spec: JobSpec, environ: Mapping[str, str]) -> List[Result]:
+def run(spec: JobSpec, environ: Mapping[str, str], progress: Optional[Progress] = None) -> List[Result]:
     volcano_dir = Path(spec.preflight_volcano_dir)
     try:
         names = host_names(volcano_dir, environ)
@@ -47,8 +55,31 @@ def run(spec: JobSpec, environ: Mapping[str, str]) -> List[Result]:
     if not names:
         reason = f"no {volcano_dir}/*.host files and VC_WORKER_HOSTS unset: single-node job"
         return [skipped(ITEM, reason)]
-    outcome = resolve(names, spec.preflight_dns_timeout_seconds, spec.preflight_dns_deadline_seconds)
+    on_wait = _progress_fields(progress) if progress else None
+    outcome = resolve(names, spec.preflight_dns_timeout_seconds, spec.preflight_dns_deadline_seconds,
+                      progress=on_wait)
     return [_result(outcome, spec.preflight_dns_deadline_seconds, volcano_dir)]
+
+
+def _progress_fields(progress: Progress) -> OnWait:
+    """The runner's generic callback, fed the dns check's own message and fields."""
+    announced = []
+
+    def report(unresolved: List[str], elapsed: float, remaining: float) -> None:
+        fields: Dict[str, Any] = {"unresolved": len(unresolved), "names": _quoted(unresolved),
+                                  "elapsed_s": round(elapsed, 1), "remaining_s": round(remaining, 1)}
+        if not announced:  # once: the lines that follow are the same wait
+            fields["hint"] = ("waiting for the job's other pods to be up and named; "
+                              "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS sets how long")
+            announced.append(True)
+        progress("dns waiting", fields)
+
+    return report
+
+
+def _quoted(names: List[str]) -> str:
+    shown = ",".join(names[:PROGRESS_NAMES])
+    return f"{shown} (+{len(names) - PROGRESS_NAMES} more)" if len(names) > PROGRESS_NAMES else shown
 
 
 # --- which names ----------------------------------------------------------------------------------
@@ -123,11 +154,14 @@ def resolve(
     timeout: float,
     deadline: float,
     lookup: Lookup = getaddrinfo_lookup,
+    progress: Optional[OnWait] = None,
+    every: float = PROGRESS_SECONDS,
 ) -> Resolution:
     """Looks every name up concurrently, retrying failures in rounds until all resolve or `deadline` s pass.
 
     Each attempt is waited on for at most `timeout` s. A deadline shorter than
     one timeout (0: try once) still lets the first round's attempts run their full timeout.
+    `progress` hears about the wait after the first round that leaves names unresolved, then every `every` s.
     """
     # A zero timeout would abandon every lookup the moment it starts.
     timeout = max(timeout, TIMEOUT_MIN_SECONDS)
@@ -135,6 +169,7 @@ def resolve(
     end = started + deadline
     tracker = _Tracker(names)
     pool = _Pool(min(WORKERS_MAX, len(names)), lookup)
+    reporter = _Reporter(tracker, progress, every, started, end)
     rounds = 0
     backoff = BACKOFF_FIRST_SECONDS
     try:
@@ -145,10 +180,11 @@ def resolve(
                 tracker.start(batch)
                 pool.submit(batch)
                 round_end = max(end, started + timeout) if rounds == 1 else end
-                _wait_round(pool, tracker, batch, timeout, round_end)
+                _wait_round(pool, tracker, batch, timeout, round_end, reporter)
             if _finished(tracker, end):
                 break
-            _pause(pool, tracker, _jittered(backoff), end)
+            reporter.first_round_over()
+            _pause(pool, tracker, _jittered(backoff), end, reporter)
             backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
             if _finished(tracker, end):
                 break
@@ -166,7 +202,9 @@ def _jittered(backoff: float) -> float:
     return backoff + random.uniform(0, backoff / 2)
 
 
-def _wait_round(pool: "_Pool", tracker: "_Tracker", batch: List[str], timeout: float, end: float) -> None:
+def _wait_round(
+    pool: "_Pool", tracker: "_Tracker", batch: List[str], timeout: float, end: float, reporter: "_Reporter"
+) -> None:
     """Until every attempt of `batch` succeeded, failed or ran past `timeout`, or `end` comes."""
     waiting = set(batch)
     while waiting:
@@ -180,30 +218,67 @@ def _wait_round(pool: "_Pool", tracker: "_Tracker", batch: List[str], timeout: f
                 waiting.discard(name)
         # A lookup not started yet times out no earlier than `now + timeout`; started ones may sooner.
         wake = min([end, now + timeout] + [started + timeout for started in pool.running().values()])
-        for name in _collect(pool, tracker, max(0.0, wake - now)):
+        for name in _collect(pool, tracker, max(0.0, wake - now), reporter):
             waiting.discard(name)
 
 
-def _pause(pool: "_Pool", tracker: "_Tracker", seconds: float, end: float) -> None:
+def _pause(pool: "_Pool", tracker: "_Tracker", seconds: float, end: float, reporter: "_Reporter") -> None:
     """The backoff between rounds; results of earlier, overdue lookups still count when they come in."""
     until = min(time.monotonic() + seconds, end)
     while not tracker.all_resolved():
         left = until - time.monotonic()
         if left <= 0:
             return
-        _collect(pool, tracker, left)
+        _collect(pool, tracker, left, reporter)
 
 
-def _collect(pool: "_Pool", tracker: "_Tracker", wait: float) -> List[str]:
-    """Names whose lookup finished: waits up to `wait` s for the first, then takes what else is there."""
+def _collect(pool: "_Pool", tracker: "_Tracker", wait: float, reporter: "_Reporter") -> List[str]:
+    """Names whose lookup finished: waits up to `wait` s for the first (less when a report is due first),
+    then takes what else is there."""
     finished = []
-    item = pool.next_outcome(wait)
+    item = pool.next_outcome(min(wait, reporter.seconds_to_due()))
     while item is not None:
         name, error = item
         tracker.finish(name, error)
         finished.append(name)
         item = pool.next_outcome(0)
+    reporter.report_if_due()
     return finished
+
+
+class _Reporter:
+    """Calls `progress` when a report is due and names are still unresolved; every wait is cut short to it."""
+
+    def __init__(self, tracker: "_Tracker", progress: Optional[OnWait], every: float, started: float, end: float):
+        self.tracker = tracker
+        self.progress = progress
+        self.every = every
+        self.started = started
+        self.end = end
+        self.due = started + every if progress else float("inf")
+        self.announced = False
+
+    def first_round_over(self) -> None:
+        """Names are left unresolved: the wait is announced at once, not one interval after the start."""
+        if self.progress and not self.announced:
+            self.announced = True
+            self.due = min(self.due, time.monotonic())
+
+    def seconds_to_due(self) -> float:
+        return max(0.0, self.due - time.monotonic())
+
+    def report_if_due(self) -> None:
+        now = time.monotonic()
+        if now < self.due:
+            return
+        if self.progress is None or now >= self.end:
+            # Never due again: a due time left in the past would make every wait a poll (round one may outlive
+            # the deadline).
+            self.due = float("inf")
+            return
+        self.due = now + self.every
+        if not self.tracker.all_resolved():
+            self.progress(self.tracker.unresolved(), now - self.started, self.end - now)
 
 
 class _Tracker:
@@ -236,8 +311,11 @@ class _Tracker:
     def all_resolved(self) -> bool:
         return len(self.resolved) == len(self.names)
 
+    def unresolved(self) -> List[str]:
+        return [name for name in self.names if name not in self.resolved]
+
     def resolution(self, rounds: int) -> Resolution:
-        unresolved = [name for name in self.names if name not in self.resolved]
+        unresolved = self.unresolved()
         # Without an error, a name's first lookup was still queued or running when the deadline came.
         errors = {name: self.errors.get(name, "no answer before the deadline") for name in unresolved}
         resolved = [name for name in self.names if name in self.resolved]
@@ -343,7 +421,8 @@ def _hint(unresolved: List[str], total: int, deadline: float, volcano_dir: Path)
     return (
         f"{len(unresolved)} of {total} host names did not resolve within {deadline:g} s ({shown}{more}): "
         "the other pods may not be up yet; check that Volcano's svc plugin wrote them "
-        f"({volcano_dir}/*.host, VC_WORKER_HOSTS) and that /etc/hosts or the cluster DNS knows them"
+        f"({volcano_dir}/*.host, VC_WORKER_HOSTS) and that /etc/hosts or the cluster DNS knows them; "
+        "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS sets how long to wait"
     )
 
 

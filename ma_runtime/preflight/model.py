@@ -4,6 +4,9 @@ A check module exposes `run(spec, environ) -> List[Result]`: one Result per
 thing it measured (`disk-size` has one per target, root/shm/cache). Checks never
 raise for a bad node; they report it. The runner times them, turns the failures
 of warn-only checks into warnings, logs one `item=` line per Result, and decides.
+
+A check that may wait long (`dns`) also takes `progress`, a `Progress` callback:
+checks do not log, so they hand the runner a message and its fields instead.
 """
 
 import dataclasses
@@ -11,7 +14,10 @@ import enum
 import os
 import signal
 import subprocess
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+# A message and its fields, which the runner logs while a check is still waiting.
+Progress = Callable[[str, Dict[str, Any]], None]
 
 
 class Status(str, enum.Enum):

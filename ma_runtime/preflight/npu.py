@@ -48,7 +48,7 @@ def run(spec: Any, environ: Mapping[str, str]) -> List[Result]:
     names = accelerator.node_names(spec.preflight_dev_dir)
     nodes = accelerator.count_nodes(NPU_KIND, names)
     if nodes and NPU_MANAGER not in names:
-        return [manager_missing(spec, nodes)]
+        return [accelerator.manager_missing(spec, nodes)]
     try:
         returncode, out, err = run_tool(ARGV, spec.preflight_tool_timeout_seconds, env=dict(environ))
     except ToolError as error:
@@ -81,15 +81,6 @@ def in_use(spec: Any, line: str) -> Result:
     )
     return Result(NPU, Status.FAIL, "npu.in-use", None, accelerator.required(spec), hint=hint, unit="count",
                   detail={"output": line})
-
-
-def manager_missing(spec: Any, nodes: int) -> Result:
-    hint = (
-        f"{nodes} davinci<N> nodes but no {NPU_MANAGER} under {spec.preflight_dev_dir}: start the container with"
-        f" --device=/dev/{NPU_MANAGER} --device=/dev/devmm_svm --device=/dev/hisi_hdc"
-    )
-    return Result(NPU, Status.FAIL, "npu.manager-missing", None, accelerator.required(spec), hint=hint, unit="count",
-                  detail={"device_nodes": nodes})
 
 
 def parse_table(out: str) -> List[Npu]:

@@ -1,8 +1,10 @@
 """Runs the checks, logs one `item=` line per result, and decides.
 
 `dns` may wait up to its deadline for late pods, so it runs in a thread while
-the quick checks run here; the report keeps the configured order. A check that
-crashes (a bug of ours) is reported as a failure of that item, not a traceback.
+the quick checks run here; the report keeps the configured order. While it waits
+it reports progress through a callback, logged here as `msg="dns waiting"` lines
+(checks do not log). A check that crashes (a bug of ours) is reported as a
+failure of that item, not a traceback.
 """
 
 import dataclasses
@@ -11,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime.preflight.model import Result, Status
+from ma_runtime.preflight.model import Progress, Result, Status
 
 # Check name -> module with run(spec, environ); imported only when selected.
 MODULES = {
@@ -22,6 +24,8 @@ MODULES = {
     "npu": "ma_runtime.preflight.npu",
 }
 _BACKGROUND = ("dns",)
+# Checks whose run() takes `progress`: those that may wait long enough to look hung.
+_REPORTS_PROGRESS = ("dns",)
 _LOG_METHOD = {Status.PASS: "info", Status.SKIP: "info", Status.WARN: "warning", Status.FAIL: "error"}
 
 
@@ -60,10 +64,10 @@ def select(configured: Sequence[str], only: Sequence[str] = (), skip: Sequence[s
 def run(spec, environ: Mapping[str, str], names: Sequence[str], log) -> Report:
     started = time.perf_counter()
     outcomes: Dict[str, List[Result]] = {}
-    threads = [_start_background(name, spec, environ, outcomes) for name in names if name in _BACKGROUND]
+    threads = [_start_background(name, spec, environ, outcomes, log) for name in names if name in _BACKGROUND]
     for name in names:
         if name not in _BACKGROUND:
-            outcomes[name] = _run_one(name, spec, environ)
+            outcomes[name] = _run_one(name, spec, environ, log)
     for thread in threads:
         thread.join()
     results = [r for name in names for r in _soften(outcomes[name], spec.preflight_warn_only)]
@@ -74,20 +78,21 @@ def run(spec, environ: Mapping[str, str], names: Sequence[str], log) -> Report:
     return report
 
 
-def _start_background(name: str, spec, environ, outcomes: Dict[str, List[Result]]) -> threading.Thread:
+def _start_background(name: str, spec, environ, outcomes: Dict[str, List[Result]], log) -> threading.Thread:
     def target() -> None:
-        outcomes[name] = _run_one(name, spec, environ)
+        outcomes[name] = _run_one(name, spec, environ, log)
 
     thread = threading.Thread(target=target, name=f"preflight-{name}", daemon=True)
     thread.start()
     return thread
 
 
-def _run_one(name: str, spec, environ) -> List[Result]:
+def _run_one(name: str, spec, environ, log) -> List[Result]:
     started = time.perf_counter()
+    extra = {"progress": _progress_logger(log)} if name in _REPORTS_PROGRESS else {}
     try:
         check: Callable[..., List[Result]] = importlib.import_module(MODULES[name]).run
-        results = check(spec, environ)
+        results = check(spec, environ, **extra)
     except Exception as exc:  # a bug in a check must not hide the others
         results = [Result(name, Status.FAIL, f"{name}.error", hint=f"the check itself failed: {exc!r}")]
     elapsed = (time.perf_counter() - started) * 1000
@@ -95,6 +100,13 @@ def _run_one(name: str, spec, environ) -> List[Result]:
         if result.duration_ms is None:
             result.duration_ms = round(elapsed, 3)
     return results
+
+
+def _progress_logger(log) -> Progress:
+    def report(message: str, fields: Dict[str, Any]) -> None:
+        log.info(message, **fields)
+
+    return report
 
 
 def _soften(results: List[Result], warn_only: Sequence[str]) -> List[Result]:

@@ -99,6 +99,25 @@ def test_msrun_on_one_node_runs_a_graph_mode_all_reduce(job_env, tmp_path):
 
 
 @needs_mindspore
+def test_msrun_beside_the_commands_python_runs_although_path_lacks_it(job_env, tmp_path):
+    """`.venv-ms/bin/python SCRIPT` with MA_RUN_METHOD=msrun: the msrun installed with that Python runs, and its
+    rank runs with that Python too. One rank, no MindSpore import: only the launch is under test."""
+    script = tmp_path / "where.py"
+    script.write_text('import os, sys\nprint(f"rank {os.environ[\'RANK_ID\']} ran {sys.executable}", flush=True)\n')
+    path = os.pathsep.join(part for part in job_env["PATH"].split(os.pathsep) if not (Path(part) / "msrun").exists())
+    env = {**job_env, "PATH": path, "MA_RUN_METHOD": "msrun", "MA_RUNTIME_PREFLIGHT": "0",
+           "MA_RUNTIME_MSRUN_MASTER_PORT": str(free_port())}
+
+    done = run_ma([os.path.join(".venv-ms", "bin", "python"), str(script)], env, cwd=ROOT, timeout=180)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"[rank-0] rank 0 ran {MS_BIN / 'python'}" in done.stdout.splitlines()
+    assert str(MS_BIN / "msrun") in done.stderr  # the `starting command` line's argv
+    # msrun's own warning, documented in the README: untrue here, the runtime follows the rank's log itself.
+    assert "So this worker 0's log will not be output to console" in done.stderr
+
+
+@needs_mindspore
 def test_sigterm_to_the_runtime_leaves_no_msrun_process_alive(job_env, tmp_path):
     env = launcher_env(job_env, MS_BIN, MA_RUN_METHOD="msrun", MA_NUM_GPUS=2, PIDS_DIR=tmp_path, SLEEP=300,
                        MA_RUNTIME_STOP_GRACE_SECONDS=5, MA_RUNTIME_MSRUN_MASTER_PORT=free_port())

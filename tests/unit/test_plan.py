@@ -16,6 +16,7 @@ import os
 import shlex
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,15 +57,31 @@ def job(tmp_path):
     return make
 
 
-def which_from(*installed):
-    """A fake `shutil.which`: `/opt/bin/<name>` for the installed names; records every call."""
+def which_from(*installed, beside=None):
+    """A fake `shutil.which`: `/opt/bin/<name>` for the installed names when a whole PATH is searched; a lookup in
+    one folder (no `:`, as beside the command's Python) finds only what `beside[folder]` lists. Records every call."""
     calls = []
+    beside = beside or {}
 
     def which(name, path=None):
         calls.append((name, path))
+        if path is not None and os.pathsep not in path:
+            return f"{path}/{name}" if name in beside.get(path, ()) else None
         return f"/opt/bin/{name}" if name in installed else None
 
     which.calls = calls
+    return which
+
+
+def which_in(folders):
+    """A fake `shutil.which` over {folder: names}, searching the given PATH in order, as the real one does."""
+
+    def which(name, path=None):
+        for folder in (path or "").split(os.pathsep):
+            if name in folders.get(folder, ()):
+                return f"{folder}/{name}"
+        return None
+
     return which
 
 
@@ -212,7 +229,8 @@ def test_torchrun_single_node_is_the_documented_command(job):
                            "train.py", "--epochs", "3")
     assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1"}
     assert worker.logs == {"task": str(job_spec.task_log_path)}
-    assert which.calls == [("torchrun", PATH)]  # looked up on the job's PATH
+    # Looked up on the job's PATH (after the folder of the job's `python`, which is not on it here).
+    assert [call for call in which.calls if call[0] in ("python", "torchrun")] == [("python", PATH), ("torchrun", PATH)]
 
 
 def test_torchrun_without_accelerators_starts_one_process(job):
@@ -404,7 +422,7 @@ def test_msrun_single_node_is_the_documented_command(job, tmp_path):
     )
     assert worker.logs == {"task": str(job_spec.task_log_path), "msrun": str(log_dir)}
     assert worker.env == {"MA_PROC_START_CNT": "2", "MA_SCHEDULE_CNT": "1", "PATH": f"/opt/venv/bin:{PATH}"}
-    assert which.calls == [("msrun", PATH)]
+    assert [call for call in which.calls if call[0] == "msrun"] == [("msrun", "/opt/venv/bin"), ("msrun", PATH)]
 
 
 def test_msrun_ports_and_time_out_come_from_their_variables(job):
@@ -624,7 +642,8 @@ def test_plan_to_dict_has_the_documented_shape(job, tmp_path):
     for method, result in every_method(job, tmp_path):
         document = json.loads(json.dumps(result.to_dict()))  # JSON-ready as it is
         assert document["method"] == method
-        assert set(document) == {"method", "why", "nodes", "processes_per_node", "workers"}
+        assert set(document) == {"method", "why", "nodes", "processes_per_node", "warnings", "workers"}
+        assert document["warnings"] == list(result.warnings)
         assert (document["nodes"], document["processes_per_node"]) == (result.nodes, result.processes_per_node)
         assert len(document["workers"]) == len(result.workers)
         for entry, worker in zip(document["workers"], result.workers):
@@ -797,3 +816,236 @@ def test_worker_hosts_with_holes_or_another_count_are_config_errors(job, hosts, 
 def test_a_trailing_comma_in_worker_hosts_is_tolerated(job):
     job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_HOSTS=2, VC_WORKER_HOSTS="a.job,b.job,")
     assert "--master_addr=a.job" in build(job_spec, environ).workers[0].argv
+
+
+# --- processes per node: MA_RUNTIME_NPROC_PER_NODE and the summary ----------------------------------
+
+
+@pytest.mark.parametrize("method", ["torchrun", "msrun"])
+def test_nproc_per_node_starts_cpu_processes_without_accelerators(job, method):
+    job_spec, environ = job(MA_RUN_METHOD=method, MA_NUM_GPUS=0, MA_RUNTIME_NPROC_PER_NODE=2)
+    result = build(job_spec, environ)
+    argv = result.workers[0].argv
+    assert (result.nodes, result.processes_per_node, result.warnings) == (1, 2, ())
+    if method == "torchrun":
+        assert argv[1:4] == ("--standalone", "--nnodes=1", "--nproc_per_node=2")
+    else:
+        assert argv[1:3] == ("--worker_num=2", "--local_worker_num=2")
+
+
+@pytest.mark.parametrize("method", ["torchrun", "msrun"])
+def test_nproc_per_node_wins_over_ma_num_gpus(job, method):
+    job_spec, environ = multi_node(job, MA_RUN_METHOD=method, MA_NUM_GPUS=8, MA_RUNTIME_NPROC_PER_NODE=4)
+    result = build(job_spec, environ, resolve=resolver({HOSTS[0]: "172.16.0.10"}))
+    argv = result.workers[0].argv
+    assert (result.nodes, result.processes_per_node) == (2, 4)
+    expected = ("--nproc_per_node=4",) if method == "torchrun" else ("--worker_num=8", "--local_worker_num=4")
+    assert all(flag in argv for flag in expected), argv
+
+
+def test_extra_torchrun_params_win_over_nproc_per_node(job):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_RUNTIME_NPROC_PER_NODE=2,
+                            MA_EXTRA_TORCHRUN_PARAMS="--nproc-per-node=4")
+    result = build(job_spec, environ)
+    assert result.workers[0].argv[1:4] == ("--standalone", "--nnodes=1", "--nproc-per-node=4")
+    assert result.processes_per_node == 4
+
+
+@pytest.mark.parametrize(
+    "extra, nodes, per_node",
+    [
+        ("--nproc-per-node=2", 1, 2),
+        ("--nproc_per_node=2", 1, 2),
+        ("--nproc-per-node 2", 1, 2),
+        ("--nproc_per_node 2", 1, 2),
+        ("--nproc-per-node=auto", 1, "auto"),  # torchrun's own choices are shown as given
+        ("--nproc_per_node cpu", 1, "cpu"),
+        ("--nnodes=1:2 --nproc-per-node=gpu", "1:2", "gpu"),
+        ("--nnodes 3 --nproc_per_node=2 --nproc-per-node=5", 3, 5),  # the last one wins, as in torchrun
+    ],
+)
+def test_the_summary_follows_the_torchrun_flags_that_run(job, extra, nodes, per_node):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_GPUS=0, MA_EXTRA_TORCHRUN_PARAMS=extra)
+    result = build(job_spec, environ)
+    assert (result.nodes, result.processes_per_node) == (nodes, per_node)
+    assert f"nodes: {nodes}, processes per node: {per_node}\n" in plan.render(result.to_dict())
+
+
+def test_the_summary_ignores_the_scripts_own_flags(job):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_GPUS=0)
+    result = build(job_spec, environ, ["python", "train.py", "--nproc_per_node=5", "--nnodes", "3"])
+    assert (result.nodes, result.processes_per_node) == (1, 1)
+
+
+@pytest.mark.parametrize("extra", ["--nproc_per_node", "--nproc-per-node=", "--nnodes --tee 3"])
+def test_a_torchrun_size_flag_without_its_value_is_a_configuration_error(job, extra):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_EXTRA_TORCHRUN_PARAMS=extra)
+    with pytest.raises(ConfigError) as caught:
+        build(job_spec, environ)
+    assert caught.value.exit_code == 78
+    assert "MA_EXTRA_TORCHRUN_PARAMS" in caught.value.reason and extra.split()[0].rstrip("=") in caught.value.reason
+
+
+def test_nproc_per_node_with_plain_is_a_configuration_error(job):
+    job_spec, environ = job(MA_RUNTIME_NPROC_PER_NODE=2)
+    with pytest.raises(ConfigError) as caught:
+        build(job_spec, environ)
+    assert caught.value.exit_code == 78
+    assert "MA_RUNTIME_NPROC_PER_NODE=2" in caught.value.reason and "plain launch starts one" in caught.value.reason
+    assert "MA_RUN_METHOD=torchrun" in caught.value.hint
+
+
+def test_nproc_per_node_one_with_plain_is_what_plain_does(job):
+    job_spec, environ = job(MA_RUNTIME_NPROC_PER_NODE=1)
+    assert build(job_spec, environ).processes_per_node == 1
+
+
+def test_nproc_per_node_other_than_the_rank_tables_count_is_a_configuration_error(job, tmp_path):
+    job_spec, environ = job(MA_RUN_METHOD="rtf", MA_NUM_GPUS=2, MA_RUNTIME_NPROC_PER_NODE=4)
+    table = prepared(tmp_path, job_spec, environ, [("pod-0", "172.16.0.10", [0, 1])])
+    with pytest.raises(ConfigError) as caught:
+        build(job_spec, environ, rank_table=table)
+    assert caught.value.exit_code == 78
+    assert "MA_RUNTIME_NPROC_PER_NODE=4" in caught.value.reason and "2 device(s)" in caught.value.reason
+
+
+def test_nproc_per_node_equal_to_the_rank_tables_count_is_accepted(job, tmp_path):
+    job_spec, environ = job(MA_RUN_METHOD="rtf", MA_NUM_GPUS=2, MA_RUNTIME_NPROC_PER_NODE=2)
+    table = prepared(tmp_path, job_spec, environ, [("pod-0", "172.16.0.10", [0, 1])])
+    assert build(job_spec, environ, rank_table=table).processes_per_node == 2
+
+
+# --- warnings: a plan that preflight will reject -----------------------------------------------------
+
+
+def test_a_gpu_plan_on_a_machine_without_accelerators_warns_how_to_ask_for_cpus(job):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_GPUS=2)
+    (warning,) = build(job_spec, environ).warnings
+    assert "preflight will fail" in warning and "gpu.missing" in warning
+    assert "MA_NUM_GPUS=2" in warning  # why: the check's own words
+    assert "MA_NUM_GPUS=0 MA_RUNTIME_NPROC_PER_NODE=2" in warning
+
+
+def test_a_plain_gpu_plan_on_a_machine_without_accelerators_warns_too(job):
+    job_spec, environ = job(MA_NUM_GPUS=1)
+    (warning,) = build(job_spec, environ).warnings
+    assert "gpu.missing" in warning and "MA_NUM_GPUS=0" in warning and "NPROC" not in warning
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"MA_RUNTIME_PREFLIGHT": "off"},
+        {"MA_SKIP_IMAGE_DETECT": "0"},
+        {"MA_RUNTIME_PREFLIGHT_WARN_ONLY": "gpu"},
+        {"MA_RUNTIME_PREFLIGHT_CHECKS": "dns,disk-size"},
+        {"MA_RUNTIME_PREFLIGHT_ACCELERATOR": "none"},
+        {"MA_NUM_GPUS": "0"},
+    ],
+)
+def test_no_warning_when_preflight_will_not_reject_it(job, variables):
+    job_spec, environ = job(**{"MA_RUN_METHOD": "torchrun", "MA_NUM_GPUS": 2, **variables})
+    assert build(job_spec, environ).warnings == ()
+
+
+@pytest.mark.parametrize("tool", ["nvidia-smi", "npu-smi"])
+def test_no_warning_when_an_accelerator_tool_is_on_path(job, tool):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_GPUS=2)
+    assert build(job_spec, environ, which=which_from("torchrun", tool)).warnings == ()
+
+
+def test_a_forced_check_without_its_devices_warns_to_let_auto_choose(job):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_GPUS=0, MA_RUNTIME_PREFLIGHT_ACCELERATOR="npu")
+    (warning,) = build(job_spec, environ).warnings
+    assert "npu.missing" in warning and "MA_RUNTIME_PREFLIGHT_ACCELERATOR=auto" in warning
+
+
+def test_fewer_device_nodes_than_ma_num_gpus_warns_too_few(job, tmp_path):
+    (tmp_path / "dev" / "nvidia0").touch()
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_GPUS=2)
+    (warning,) = build(job_spec, environ, which=which_from("torchrun", "nvidia-smi")).warnings
+    assert "gpu.too-few" in warning
+
+
+def test_no_warning_when_the_device_nodes_are_enough(job, tmp_path):
+    for index in range(2):
+        (tmp_path / "dev" / f"nvidia{index}").touch()
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", MA_NUM_GPUS=2)
+    assert build(job_spec, environ, which=which_from("torchrun", "nvidia-smi")).warnings == ()
+
+
+def test_render_prints_the_warnings_after_the_summary():
+    worker = plan.WorkerPlan("command", ("python", "train.py"), {})
+    text = plan.render(plan.Plan("plain", "why", (worker,), 1, 1, ("first", "second")).to_dict())
+    assert text.startswith("method: plain (why)\nnodes: 1, processes per node: 1\n"
+                           "warning: first\nwarning: second\n\n[command] python train.py\n")
+
+
+# --- the launcher beside the command's Python ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "msrun"])
+def test_the_launcher_beside_the_commands_python_comes_before_path(job, launcher):
+    job_spec, environ = job(MA_RUN_METHOD=launcher)
+    which = which_from("torchrun", "msrun", "python", beside={"/opt/venv/bin": ("python", "torchrun", "msrun")})
+    result = build(job_spec, environ, ["/opt/venv/bin/python", "train.py"], which=which)
+    assert result.workers[0].argv[0] == f"/opt/venv/bin/{launcher}"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "msrun"])
+def test_the_launcher_beside_the_python_that_path_finds(job, launcher):
+    # PATH finds an older launcher first, and the job's `python` later: the one beside that python runs.
+    job_spec, environ = job(MA_RUN_METHOD=launcher, PATH="/usr/bin:/opt/venv/bin")
+    which = which_in({"/usr/bin": ("torchrun", "msrun"), "/opt/venv/bin": ("python", "torchrun", "msrun")})
+    assert build(job_spec, environ, which=which).workers[0].argv[0] == f"/opt/venv/bin/{launcher}"
+
+
+def test_a_command_that_is_not_python_finds_the_launcher_on_path(job):
+    job_spec, environ = job(MA_RUN_METHOD="torchrun", PATH="/usr/bin:/opt/venv/bin")
+    which = which_in({"/usr/bin": ("torchrun", "bash"), "/opt/venv/bin": ("torchrun",)})
+    assert build(job_spec, environ, ["bash", "run.sh"], which=which).workers[0].argv[0] == "/usr/bin/torchrun"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "msrun"])
+def test_a_launcher_found_nowhere_names_both_places(job, launcher):
+    job_spec, environ = job(MA_RUN_METHOD=launcher)
+    with pytest.raises(ConfigError) as caught:
+        build(job_spec, environ, ["/opt/venv/bin/python", "train.py"], which=which_in({}))
+    assert caught.value.exit_code == 78
+    assert f"{launcher} is not installed" in caught.value.reason
+    assert "/opt/venv/bin" in caught.value.reason and "PATH" in caught.value.reason
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "msrun"])
+def test_default_which_finds_the_launcher_beside_an_interpreter_off_path(job, tmp_path, launcher):
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    fake = venv / launcher
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    job_spec, environ = job(MA_RUN_METHOD=launcher, PATH="/usr/bin:/bin")
+    result = plan.build(job_spec, plan.Context([str(venv / "python"), "train.py"], environ))
+    assert result.workers[0].argv[0] == str(fake)
+
+
+# --- `ma-runtime plan`: warnings and the summary, black box ----------------------------------------------
+
+
+def test_cli_plan_warns_about_a_plan_preflight_will_reject(cli_env, tmp_path):
+    cli_env.pop("MA_RUNTIME_PREFLIGHT_ACCELERATOR", None)  # the machine's own view: auto
+    cli_env.update(MA_RUN_METHOD="torchrun", MA_NUM_GPUS="2", PATH=str(tmp_path / "fake-bin"))
+    text = plan_cli(["--", "python", "train.py"], cli_env)
+    assert text.returncode == 0, text.stderr
+    assert "\nwarning: preflight will fail gpu.missing" in text.stdout
+    assert "MA_NUM_GPUS=0 MA_RUNTIME_NPROC_PER_NODE=2" in text.stdout
+    document = json.loads(plan_cli(["--json", "--", "python", "train.py"], cli_env).stdout)
+    assert len(document["warnings"]) == 1 and "gpu.missing" in document["warnings"][0]
+
+
+def test_cli_plan_summary_follows_extra_torchrun_params(cli_env):
+    cli_env.update(MA_RUN_METHOD="torchrun", MA_EXTRA_TORCHRUN_PARAMS="--nproc-per-node=2")
+    result = plan_cli(["--", "python", "train.py"], cli_env)
+    assert result.returncode == 0, result.stderr
+    assert "nodes: 1, processes per node: 2\n" in result.stdout
+    assert "--nproc-per-node=2" in result.stdout and "--nproc_per_node" not in result.stdout

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from ma_runtime.preflight import disk
+from ma_runtime.preflight.model import Status
 from tests.conftest import MA_RUN, MA_RUNTIME, log_dir
 
 MA_PREFLIGHT = os.path.join(os.path.dirname(MA_RUN), "ma-preflight")
@@ -16,27 +18,6 @@ RESULT_FIELDS = {"item", "status", "code", "value", "threshold", "hint", "target
 
 def preflight(args, env, **kwargs):
     return subprocess.run([MA_PREFLIGHT, *args], env=env, capture_output=True, text=True, timeout=60, **kwargs)
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """Mounts small real tmpfs filesystems: tmpfs('name', '16m') -> path."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount tmpfs")
-    mounted = []
-
-    def mount(name, size):
-        path = tmp_path / name
-        path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount tmpfs: {done.stderr.decode().strip()}")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in mounted:
-        subprocess.run(["umount", str(path)], check=False)
 
 
 @pytest.fixture
@@ -95,6 +76,31 @@ def test_human_table_without_json(disks):
     assert lines[0].split()[:3] == ["ITEM", "TARGET", "RESULT"]
     assert any(line.split()[:3] == ["disk-size", "shm", "FAIL"] for line in lines)
     assert lines[-1] == "preflight FAILED: disk-size(shm)"
+
+
+# Each target's fix: shm is memory sized by the container, cache the flavour's local disk, root the node's disk.
+TARGET_FIXES = {
+    "root": ("a node with a larger disk", "MA_RUNTIME_PREFLIGHT_ROOT_MIN_GB"),
+    "shm": ("--shm-size", "medium: Memory", "MA_RUNTIME_PREFLIGHT_SHM_MIN_GB"),
+    "cache": ("flavour", "/cache", "MA_RUNTIME_PREFLIGHT_CACHE_MIN_GB"),
+}
+
+
+@pytest.mark.parametrize("target", sorted(TARGET_FIXES))
+def test_a_too_small_target_gets_the_hint_that_fits_it(tmp_path, target):
+    result = disk.check_target(target, tmp_path, 1e6)  # no filesystem here is a petabyte
+    assert (result.status, result.code, result.target) == (Status.FAIL, "disk-size.too-small", target)
+    assert str(tmp_path) in result.hint and "1e+06 GB" in result.hint
+    for words in TARGET_FIXES[target]:
+        assert words in result.hint, (target, result.hint)
+    if target != "root":
+        assert "larger disk" not in result.hint  # not what fixes a small /dev/shm or /cache
+
+
+def test_a_missing_shm_says_how_to_mount_one(tmp_path):
+    result = disk.check_target("shm", tmp_path / "absent", 1)
+    assert (result.status, result.code) == (Status.FAIL, "disk-size.missing")
+    assert "--shm-size" in result.hint and "medium: Memory" in result.hint
 
 
 def lowered(resource_id, soft, hard):
@@ -159,7 +165,8 @@ def test_a_failed_preflight_stops_the_entrypoint_before_the_command(disks, tmp_p
     result = subprocess.run([MA_RUN, "touch", str(marker)], env=disks, capture_output=True, text=True, timeout=60)
     assert result.returncode == 79
     assert not marker.exists()
-    assert any("error,exiting" in line and "disk-size(shm)" in line for line in result.stderr.splitlines())
+    (error,) = [line for line in result.stderr.splitlines() if "error,exiting" in line]
+    assert "disk-size(shm)" in error and "--shm-size" in error and "larger disk" not in error
     message = json.loads((log_dir(disks) / "modelarts-job-local-worker-0-termination.json").read_text())
     assert message["stage"] == "preflight" and message["category"] == "infrastructure"
     assert message["exit_code"] == 79 and "disk-size(shm)" in message["reason"]

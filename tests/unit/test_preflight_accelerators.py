@@ -1,6 +1,7 @@
 """The gpu and npu checks against fake device nodes and the fake tools in tests/fakes."""
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -267,3 +268,61 @@ def test_forced_gpu_runs_on_an_npu_dev_dir(tmp_path):
     # No nvidia<N> nodes: the tool's listing alone decides, and the fake lists 8 healthy GPUs.
     assert one(gpu.run(job_spec, environ)).status == Status.PASS
     assert one(npu.run(job_spec, environ)).status == Status.SKIP
+
+
+# --- foreseen: the failure certain without running a tool (what `ma-runtime plan` warns about) ------------
+
+
+def tools_dir(tmp_path, tools):
+    """A PATH folder with the named fake tools and the python3 they run with, and nothing else."""
+    folder = tmp_path / f"bin-{'-'.join(tools) or 'none'}"
+    folder.mkdir(exist_ok=True)
+    for tool in tools:
+        (folder / tool).symlink_to(FAKES / tool)
+    (folder / "python3").symlink_to(sys.executable)
+    return str(folder)
+
+
+SETUPS = {
+    "none": ["null"],
+    "two-gpus": GPU_NODES[:2] + ["nvidiactl"],
+    "eight-gpus": GPU_NODES,
+    "eight-npus": NPU_NODES,
+    "npus-without-manager": [f"davinci{i}" for i in range(8)],
+    "npu-manager-only": ["davinci_manager"],
+}
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+@pytest.mark.parametrize("tools", [(), ("nvidia-smi",), ("npu-smi",)])
+def test_foreseen_agrees_with_the_check_it_foresees(tmp_path, setup, tools):
+    """A foreseen failure is the failure the check gives, code for code; a check that passes was not foreseen."""
+    path = tools_dir(tmp_path, tools)
+    for setting in ("auto", "gpu", "npu"):
+        for gpus in (0, 8):
+            job_dir = tmp_path / f"{setting}-{gpus}"
+            job_dir.mkdir()
+            job_spec, environ = job(job_dir, SETUPS[setup], gpus=gpus, path=path,
+                                    MA_RUNTIME_PREFLIGHT_ACCELERATOR=setting)
+            case = (setup, tools, setting, gpus)
+            expected = accelerator.foreseen(job_spec, environ)
+            results = [one(check.run(job_spec, environ)) for check in (gpu, npu)]
+            if expected is None:
+                assert all(r.status != Status.FAIL for r in results), case
+                continue
+            (failed,) = [r for r in results if r.status == Status.FAIL]
+            assert (failed.item, failed.code) == (expected.item, expected.code), case
+            assert expected.status == Status.FAIL and expected.hint, case
+
+
+def test_foreseen_looks_tools_up_with_the_callers_which(tmp_path):
+    job_spec, environ = job(tmp_path, ["null"], path=empty_dir(tmp_path))
+    asked = []
+
+    def which(name, path):
+        asked.append((name, path))
+        return f"/somewhere/{name}" if name == "nvidia-smi" else None
+
+    assert accelerator.foreseen(job_spec, environ, which) is None  # nvidia-smi "is there": its listing decides
+    assert asked == [("nvidia-smi", environ["PATH"]), ("nvidia-smi", environ["PATH"])]
+    assert accelerator.foreseen(job_spec, environ).code == "gpu.missing"

@@ -20,6 +20,9 @@ import pytest
 from ma_runtime import spec
 from ma_runtime.preflight import dns
 from ma_runtime.preflight.model import Status
+from tests.conftest import MA_RUN
+
+MA_PREFLIGHT = os.path.join(os.path.dirname(MA_RUN), "ma-preflight")
 
 # --- which names ----------------------------------------------------------------------------------
 
@@ -202,6 +205,7 @@ def test_invalid_names_fail_near_the_deadline(tmp_path):
     assert set(result.detail["errors"]) == set(names)
     assert names[0] in result.hint and "2 more" in result.hint
     assert "other pods may not be up yet" in result.hint
+    assert "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS" in result.hint  # the wait's setting
 
 
 def test_the_unresolved_list_is_capped(tmp_path):
@@ -211,6 +215,105 @@ def test_the_unresolved_list_is_capped(tmp_path):
     assert result.detail["unresolved"] == names[:50]
     assert result.detail["unresolved_count"] == 60
     assert len(result.detail["errors"]) == 5
+
+
+# --- progress while the check waits -----------------------------------------------------------------
+
+
+class Reports:
+    """Records the progress callback's calls: (unresolved names, elapsed s, remaining s)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, unresolved, elapsed, remaining):
+        self.calls.append((list(unresolved), elapsed, remaining))
+
+
+def test_progress_names_what_is_still_unresolved_at_a_steady_interval():
+    # RFC 6761: .invalid never resolves; localhost always does.
+    reports = Reports()
+    dns.resolve(["x.invalid", "localhost"], timeout=1, deadline=1.6, progress=reports, every=0.4)
+    assert len(reports.calls) >= 2
+    assert all(unresolved == ["x.invalid"] for unresolved, _, _ in reports.calls)
+    elapsed = [call[1] for call in reports.calls]
+    remaining = [call[2] for call in reports.calls]
+    assert all(later - earlier >= 0.4 - 0.01 for earlier, later in zip(elapsed, elapsed[1:]))  # never more often
+    assert remaining == sorted(remaining, reverse=True) and all(0 <= left <= 1.6 for left in remaining)
+    assert all(abs(spent + left - 1.6) < 0.05 for spent, left in zip(elapsed, remaining))
+
+
+def test_the_first_progress_report_follows_the_first_failed_round():
+    # The wait is announced once the first round has failed, not one whole interval later.
+    reports = Reports()
+    lookup = FakeLookup(fail_first={"late.job": 99})
+    dns.resolve(["late.job"], timeout=1, deadline=0.6, lookup=lookup, progress=reports, every=60)
+    assert [call[0] for call in reports.calls] == [["late.job"]]
+
+
+def test_progress_does_not_spin_while_a_first_round_outlives_the_deadline():
+    # A hung lookup keeps round one waiting for its timeout, past the deadline: no report is due any more,
+    # and the wait must still sleep rather than poll (a busy loop would burn most of that second).
+    reports = Reports()
+    lookup = FakeLookup(hang={"hung.job"})
+    try:
+        cpu = time.process_time()
+        dns.resolve(["hung.job"], timeout=1.0, deadline=0.2, lookup=lookup, progress=reports, every=0.05)
+        cpu = time.process_time() - cpu
+    finally:
+        lookup.release.set()
+    assert cpu < 0.5
+    assert all(remaining > 0 for _, _, remaining in reports.calls)
+
+
+def test_a_hung_name_is_reported_at_the_interval_not_at_every_backoff():
+    # The hung lookup keeps the name in flight, so no second round starts; the pauses between rounds are short.
+    reports = Reports()
+    lookup = FakeLookup(hang={"hung.job"})
+    try:
+        dns.resolve(["hung.job"], timeout=0.1, deadline=1.5, lookup=lookup, progress=reports, every=0.6)
+    finally:
+        lookup.release.set()
+    elapsed = [call[1] for call in reports.calls]
+    assert 1 <= len(elapsed) <= 3
+    assert all(later - earlier >= 0.6 - 0.01 for earlier, later in zip(elapsed, elapsed[1:]))
+
+
+@pytest.mark.parametrize("names, deadline", [(["localhost"], 2), (["x.invalid"], 0)])
+def test_no_progress_when_nothing_is_waited_for(names, deadline):
+    reports = Reports()
+    dns.resolve(names, timeout=1, deadline=deadline, progress=reports, every=0.1)
+    assert reports.calls == []
+
+
+def test_run_reports_progress_as_one_message_with_fields(tmp_path):
+    names = [f"n{i}.invalid" for i in range(7)]
+    messages = []
+    settings = {"MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS": "0.5"}
+    dns.run(load_spec(tmp_path, tmp_path / "absent", **settings), {"VC_WORKER_HOSTS": ",".join(names)},
+            progress=lambda message, fields: messages.append((message, fields)))
+    message, fields = messages[0]
+    assert message == "dns waiting"
+    assert fields["unresolved"] == 7
+    assert fields["names"] == "n0.invalid,n1.invalid,n2.invalid,n3.invalid,n4.invalid (+2 more)"
+    assert 0 <= fields["elapsed_s"] <= 0.5 and 0 <= fields["remaining_s"] <= 0.5
+    assert "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS" in fields["hint"]  # how to wait less (or more)
+    assert all("hint" not in later for _, later in messages[1:])  # said once
+
+
+def test_ma_preflight_prints_dns_progress_lines(job_env, tmp_path):
+    env = {**job_env, "VC_WORKER_HOSTS": "localhost,x.invalid", "MA_RUNTIME_PREFLIGHT_VOLCANO_DIR": str(tmp_path),
+           "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS": "1", "MA_RUNTIME_PREFLIGHT_DNS_TIMEOUT_SECONDS": "1"}
+    done = subprocess.run([MA_PREFLIGHT, "--only", "dns"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 79, done.stderr
+    waiting = [line for line in done.stderr.splitlines() if 'msg="dns waiting"' in line]
+    assert waiting, done.stderr
+    assert "level=info" in waiting[0] and "unresolved=1 names=x.invalid" in waiting[0]
+    assert "elapsed_s=" in waiting[0] and "remaining_s=" in waiting[0]
+    assert "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS" in waiting[0]
+    # Progress comes before the verdict.
+    result = next(i for i, line in enumerate(done.stderr.splitlines()) if "item=dns" in line)
+    assert done.stderr.splitlines().index(waiting[0]) < result
 
 
 # --- real lookups inside a network namespace -------------------------------------------------------
