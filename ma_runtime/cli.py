@@ -7,6 +7,7 @@ for ours. Usage errors print one line and exit with "bad configuration".
 
 import argparse
 import os
+import signal
 import sys
 from typing import List, NoReturn, Optional, Sequence, Tuple
 
@@ -231,6 +232,16 @@ def _standard_streams() -> None:
         stream.reconfigure(errors="backslashreplace")
 
 
+def _interruptible(function, prog: str) -> int:
+    """Ctrl-C where Python's default handler still runs (the operator commands, or `run` before its own
+    handlers are in place) ends with one line and 130, not a KeyboardInterrupt traceback."""
+    try:
+        return function()
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{prog}: interrupted by SIGINT\n")
+        return 128 + signal.SIGINT
+
+
 def _exit(code: int) -> NoReturn:
     # Skip the interpreter's teardown (~10 ms with structlog loaded): every file
     # the runtime wrote is closed by now, and only the std streams need a flush.
@@ -248,14 +259,14 @@ def ma_preflight(argv: Optional[Sequence[str]] = None) -> int:
 
 def entry_ma_preflight() -> NoReturn:
     _standard_streams()
-    _exit(ma_preflight())
+    _exit(_interruptible(ma_preflight, "ma-preflight"))
 
 
 def entry_main() -> NoReturn:
     _standard_streams()
-    _exit(main())
+    _exit(_interruptible(main, "ma-runtime"))
 
 
 def entry_ma_run() -> NoReturn:
     _standard_streams()
-    _exit(ma_run())
+    _exit(_interruptible(ma_run, "ma-run"))

@@ -5,6 +5,7 @@ import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -220,3 +221,28 @@ def test_a_last_line_of_16_kib_of_dashes_does_not_delay_the_exit(job_env):
     assert result.returncode == 1
     assert time.monotonic() - started < 30  # it took 104 s: a hang guard, not a speed test
     assert termination(job_env)["tail"][-1].startswith("----")
+
+
+# --- Ctrl-C in the operator commands: one line and 130, never a traceback ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [
+        (["preflight", "--only", "dns"], {"VC_WORKER_HOSTS": "never-there.invalid",
+                                          "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS": "60"}),
+        (["ranktable", "wait", "--timeout", "60"], {"RANK_TABLE_FILE": "/nonexistent/jobstart_hccl.json"}),
+    ],
+)
+def test_ctrl_c_in_an_operator_command_is_one_line_and_130(job_env, argv, env):
+    proc = subprocess.Popen([MA_RUNTIME, *argv], env={**job_env, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)  # well into the wait
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert stderr.strip().splitlines()[-1] == "ma-runtime: interrupted by SIGINT"
