@@ -7,15 +7,41 @@ it is open, to the task log, through the same `Sink`s that carry worker output,
 so a runtime line is never spliced into a worker line.
 """
 
+import importlib
 import json
 import shlex
+import sys
+import types
 from typing import Any, Dict, List, Optional
 
-import structlog
 
-from ma_runtime import output
-from ma_runtime.output import Sink
-from ma_runtime.redact import Masker
+class _OnFirstUse(types.ModuleType):
+    """Stands in for a module until something reads from it, then imports it and hands over.
+
+    structlog imports asyncio (~20 ms, a fifth of the start-up) for its async logging methods,
+    which the runtime never calls; structlog only reads `asyncio.<name>` inside them. (The
+    standard `importlib.util.LazyLoader` does not help here: the import statement itself reads
+    the module's `__spec__`, which loads it.) Only this process sees the stand-in: the command
+    and its workers are other processes.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        real = sys.modules.get(self.__name__)
+        if real is None or real is self:
+            del sys.modules[self.__name__]
+            real = importlib.import_module(self.__name__)
+        self.__dict__.update(real.__dict__)
+        return getattr(real, name)
+
+
+if "asyncio" not in sys.modules:
+    sys.modules["asyncio"] = _OnFirstUse("asyncio")
+
+import structlog  # noqa: E402 - after the stand-in, on purpose
+
+from ma_runtime import output  # noqa: E402
+from ma_runtime.output import Sink  # noqa: E402
+from ma_runtime.redact import Masker  # noqa: E402
 
 COMPONENT = "ma-runtime"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
