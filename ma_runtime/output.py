@@ -6,7 +6,7 @@ no line is ever split by, or merged with, another writer's line. A `LinePump`
 thread reads one worker pipe in large chunks and cuts each chunk after its last
 line end: the bytes themselves are never parsed line by line, which is what
 keeps forwarding fast. A pump may also give some sinks (the console of a
-multi-rank job) a per-line prefix such as `[rank 3] `: only those sinks pay for
+multi-rank job) a per-line prefix such as `[rank-3] `: only those sinks pay for
 it, with a few C-level `bytes.replace` calls per chunk.
 """
 
