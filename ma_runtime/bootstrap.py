@@ -281,16 +281,10 @@ def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
         return ExitCode.BAD_CONFIGURATION
     source = ranktable.locate(source_text)
     try:
-        try:
-            text = source.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read the rank table {source}: {exc.strerror or exc}") from None
-        document = ranktable.read_any(text, str(source)).template_one()
+        # read_table: bounded, a FIFO or device refused; write_atomically: never over what is not a file.
+        document = ranktable.read_any(ranktable.read_table(source), str(source)).template_one()
         if output:
-            try:
-                ranktable.write_atomically(Path(output), document)
-            except OSError as exc:
-                raise ConfigError(f"cannot write {output}: {exc.strerror or exc}") from None
+            ranktable.write_atomically(Path(output), document)
         else:
             sys.stdout.write(ranktable.layout(document))
     except RuntimeFailure as failure:

@@ -8,9 +8,19 @@ with `rank_id`). Decisions (README, "Rank table"):
 
 - Location: `RANK_TABLE_FILE` may name the file or the directory that holds
   `jobstart_hccl.json` (the platform documents both, §12 item 1). An existing
-  directory, or a path not ending in `.json`, is a directory.
+  directory, or a missing path not ending in `.json`, is a directory; anything
+  else that exists is the table itself.
 - Waiting: poll every POLL_SECONDS until `completed` or the deadline; a missing,
   empty or half-written file is "not yet", never an error, until the deadline.
+- Reading: one function, `read_table`, for the wait loop, `peek` and `convert`. What
+  no writer can turn into a table fails at once instead of at the deadline: anything
+  but a regular file (opened O_NONBLOCK, so a FIFO never blocks the reader), more
+  than MAX_TABLE_BYTES, text that is not UTF-8 (a UTF-8 byte-order mark is
+  tolerated: editors write one), and JSON no rank table holds (NaN, Infinity,
+  numbers longer than MAX_NUMBER_CHARS, nesting deep enough to exhaust the
+  recursion limit). Python 3.11 refuses ints over 4300 digits by itself, 3.9 would
+  spend quadratic time on them: the bound is ours. A file that ends inside a UTF-8
+  character is half-written, like truncated JSON: "not yet".
 - Ranks: groups in file order; in a group, instances in the order of the integer
   that ends their `pod_name` (`...-worker-10` after `...-worker-2`), or in file
   order when some pod name carries no index; rank = devices of the instances
@@ -24,21 +34,30 @@ with `rank_id`). Decisions (README, "Rank table"):
   physical id order (`device_id`), as the container sees its visible devices.
 """
 
+import codecs
 import dataclasses
 import json
+import math
 import os
 import re
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from ma_runtime import files
 from ma_runtime.errors import Category, ExitCode, RuntimeFailure
 
 FILE_NAME = "jobstart_hccl.json"
 COMPLETED = "completed"
 POLL_SECONDS = 0.5
 PROGRESS_SECONDS = 10.0
+# The largest realistic table, 4096 servers x 16 devices, is 11 MB; a bigger file is no rank table, and reading
+# and parsing one (100 MB: a minute, 1.8 GB) must not be what a job spends its start on.
+MAX_TABLE_BYTES = 32 << 20
+# Ids and counts have a few digits; 32 characters take any 64-bit integer and any float's repr.
+MAX_NUMBER_CHARS = 32
 _POD_INDEX = re.compile(r"([0-9]+)$")
 _NUMBER = re.compile(r"[0-9]+\Z")  # ASCII digits only: str.isdigit() also takes "²", which int() refuses
 
@@ -49,6 +68,15 @@ class RankTableError(RuntimeFailure):
     exit_code = ExitCode.BAD_CONFIGURATION
     category = Category.PLATFORM
     stage = "ranktable"
+
+
+class NotYet(RankTableError):
+    """A file a writer may still complete: missing, unreadable for now, or ending inside a character. The wait
+    loop sees `state`; a reader that does not wait gets the one-line error."""
+
+    def __init__(self, state: str, reason: str):
+        super().__init__(reason)
+        self.state = state
 
 
 class RankTableTimeout(RuntimeFailure):
@@ -194,9 +222,43 @@ class _Reader:
             raise self.fail(path, f"says {declared}, but there are {actual} {what}")
 
 
+class _Refused(Exception):
+    """Raised by the JSON hooks; not a ValueError, so no caller takes it for JSON that is merely incomplete."""
+
+
+def _number(text: str, convert: Callable[[str], Any]) -> Any:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _Refused(f"a number {len(text)} characters long ({text[:16]}...); a rank table's numbers are ids "
+                       f"and counts of a few digits")
+    return convert(text)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"the number {text} is out of range; a rank table's numbers are ids and counts")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a number a rank table holds (and not JSON)")
+
+
+def parse_json(text: str, source: str) -> Any:
+    """json.loads with what no rank table holds refused as RankTableError; ValueError for text that does not parse
+    (yet). Hooks are called for numbers only: a table's values are strings, so the common path pays nothing."""
+    try:
+        return json.loads(text, parse_int=lambda digits: _number(digits, int),
+                          parse_float=lambda digits: _number(digits, _finite), parse_constant=_constant)
+    except _Refused as refused:
+        raise RankTableError(f"{source}: {refused}") from None
+    except RecursionError:  # template two nests 7 levels: document, group_list, group, ..., devices, device
+        raise RankTableError(f"{source}: nested too deeply to read; a rank table nests 7 levels") from None
+
+
 def load_document(text: str, source: str) -> Dict[str, Any]:
     try:
-        document = json.loads(text)
+        document = parse_json(text, source)
     except ValueError as exc:
         raise RankTableError(f"{source}: not valid JSON ({exc})") from None
     if not isinstance(document, dict):
@@ -361,27 +423,24 @@ def layout(document: Mapping[str, Any]) -> str:
 
 
 def write_atomically(path: Path, document: Mapping[str, Any]) -> None:
-    """Write to a temporary file in the same folder, then rename: readers see the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Template one to `path` through files.write_atomically: readers see the old file or the new one, and only
+    a regular file (or nothing) is ever replaced. RankTableError, one line, when it cannot be written."""
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(layout(document))
-        os.replace(tmp, path)
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.write_atomically(path, layout(document))
+    except OSError as exc:
+        raise RankTableError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 # --------------------------------------------------------------------------- locating and waiting
 
 
 def locate(configured: str) -> Path:
-    """`RANK_TABLE_FILE` as a file path: a directory (existing, or a path not ending in .json) gets FILE_NAME."""
+    """`RANK_TABLE_FILE` as a file path: a directory (existing, or a missing path not ending in .json) gets
+    FILE_NAME. Anything else that exists is the table itself: a device or FIFO is refused by `read_table`,
+    not waited on as a folder it can never be."""
     path = Path(configured)
-    if path.is_dir() or path.suffix.lower() != ".json":
+    if os.path.isdir(path) or (path.suffix.lower() != ".json" and not os.path.exists(path)):
         return path / FILE_NAME
     return path
 
@@ -390,23 +449,99 @@ def locate(configured: str) -> Path:
 class Seen:
     """What the last look at the file found: a state for the progress and timeout lines."""
 
-    state: str  # "missing", "empty", "incomplete JSON", "status=<value>", "completed"
+    state: str  # "missing", "unreadable (<error>)", "empty", "incomplete JSON", "status=<value>", "completed"
     text: str = ""
 
 
-def look(path: Path) -> Seen:
+def read_table(path: Path) -> str:
+    """The file's text, for every reader of a rank table. NotYet for what a writer may still change;
+    RankTableError for what it never will (see the module's docstring)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return Seen("missing")
-    except IsADirectoryError:
-        return Seen("a directory")
-    except (OSError, UnicodeDecodeError) as exc:
-        return Seen(f"unreadable ({exc.__class__.__name__})")
-    if not text.strip():
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the reader
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+    try:
+        data = _read_regular(fd, path)
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+    finally:
+        os.close(fd)
+    return _decode(data, path)
+
+
+def _unreadable(path: Path, exc: OSError) -> NotYet:
+    state = "missing" if isinstance(exc, FileNotFoundError) else f"unreadable ({exc.__class__.__name__})"
+    return NotYet(state, f"cannot read the rank table {path}: {exc.strerror or exc}")
+
+
+def _read_regular(fd: int, path: Path) -> bytes:
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):  # a device or FIFO never becomes a table: no waiting for it
+        raise RankTableError(f"{path} is {files.kind_of(status.st_mode)}, not a rank table (expected a JSON file)",
+                             hint="a rank table is the platform's jobstart_hccl.json (RANK_TABLE_FILE names it or "
+                                  "its folder)")
+    if status.st_size > MAX_TABLE_BYTES:
+        raise _too_big(path, status.st_size)
+    data = _read_at_most(fd, MAX_TABLE_BYTES + 1, status.st_size)  # one byte more: a file that grew past the bound
+    if len(data) > MAX_TABLE_BYTES:
+        raise _too_big(path, len(data))
+    return data
+
+
+def _too_big(path: Path, size: int) -> RankTableError:
+    return RankTableError(f"{path} is {size} bytes, over the {MAX_TABLE_BYTES >> 20} MiB a rank table may have "
+                          f"(4096 servers of 16 devices take 11 MB)")
+
+
+def _read_at_most(fd: int, limit: int, expected: int) -> bytes:
+    """Up to `limit` bytes; `expected` (the size fstat gave) sizes the first read, so a table is one read."""
+    chunks = []
+    total = 0
+    while total < limit:
+        chunk = os.read(fd, min(limit - total, max(expected - total + 1, 1 << 16)))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+def _decode(data: bytes, path: Path) -> str:
+    # No JSON text holds a raw NUL; UTF-16 and UTF-32 text of ASCII JSON always does, or starts with a BOM.
+    if data[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE) or b"\0" in data:
+        raise RankTableError(f"{path}: UTF-16 or UTF-32 text (a byte-order mark or NUL bytes); a rank table is "
+                             f"UTF-8 JSON", hint="write the table as UTF-8")
+    codec = "utf-8-sig" if data[:3] == codecs.BOM_UTF8 else "utf-8"
+    try:
+        return data.decode(codec)
+    except UnicodeDecodeError as exc:
+        if _cut_at_the_end(data, codec):
+            raise NotYet("incomplete JSON", f"{path}: ends inside a UTF-8 character (byte {exc.start}): "
+                                            f"half-written") from None
+        raise RankTableError(f"{path}: not UTF-8 (byte {exc.start}); a rank table is UTF-8 JSON",
+                             hint="write the table as UTF-8") from None
+
+
+def _cut_at_the_end(data: bytes, codec: str) -> bool:
+    """True when `data` is valid up to an incomplete character at its very end (a writer mid-character)."""
+    decoder = codecs.getincrementaldecoder(codec)()
+    try:
+        decoder.decode(data, final=False)
+    except UnicodeDecodeError:
+        return False
+    return bool(decoder.getstate()[0])
+
+
+def look(path: Path) -> Seen:
+    """What the file holds now; RankTableError (not a Seen) when it can never become a completed table."""
+    try:
+        text = read_table(path)
+    except NotYet as pending:
+        return Seen(pending.state)
+    if not text or text.isspace():
         return Seen("empty")
     try:
-        document = json.loads(text)
+        document = parse_json(text, str(path))
     except ValueError:
         return Seen("incomplete JSON", text)  # half-written: the next look may find it whole
     status = document.get("status") if isinstance(document, dict) else None
@@ -417,7 +552,8 @@ def look(path: Path) -> Seen:
 
 def wait(path: Path, timeout: float, log, poll: float = POLL_SECONDS, progress: float = PROGRESS_SECONDS,
          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> str:
-    """Polls until the file says `status: completed`; returns its text. Raises RankTableTimeout at the deadline."""
+    """Polls until the file says `status: completed`; returns its text. Raises RankTableTimeout at the deadline,
+    RankTableError at once for a file that can never become a table."""
     started = clock()
     next_line = started + progress
     seen = look(path)

@@ -5,6 +5,9 @@ the last piece of the completed table, and well before its timeout.
 """
 
 import json
+import os
+import resource
+import stat
 import subprocess
 import sys
 import time
@@ -274,6 +277,140 @@ def test_cli_convert_of_a_missing_file_is_bad_configuration(tmp_path, env):
     assert result.returncode == 78
     (line,) = error_lines(result.stderr)
     assert "cannot read the rank table" in line and "absent.json" in line
+
+
+# --------------------------------------------------------------------------- hostile input and output
+# A table that can never be one ends at once with 78: 81 would mean the deadline was waited out, and a hang
+# ends in TimeoutExpired (the subprocess is killed).
+
+
+def limited_memory():
+    """The child's address space capped at 2 GiB: a reader that slurps /dev/zero fails in seconds, and alone."""
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def one_error_line(result):
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    (line,) = error_lines(result.stderr)
+    return line
+
+
+def test_cli_wait_on_a_fifo_exits_78_at_once(tmp_path, env):
+    path = tmp_path / "jobstart_hccl.json"
+    os.mkfifo(path)
+    result = tool(["wait", "--timeout", "2", str(path)], env, timeout=30)
+    assert result.returncode == 78, result.stderr
+    assert f"{path} is a FIFO, not a rank table (expected a JSON file)" in one_error_line(result)
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["/dev/zero", "link to /dev/zero"])
+def test_cli_wait_on_dev_zero_exits_78_at_once(tmp_path, env, linked):
+    path = tmp_path / "jobstart_hccl.json" if linked else "/dev/zero"
+    if linked:
+        path.symlink_to("/dev/zero")
+    result = subprocess.run([MA_RUNTIME, "ranktable", "wait", "--timeout", "2", str(path)], env=env,
+                            capture_output=True, text=True, timeout=30, preexec_fn=limited_memory)
+    assert result.returncode == 78, result.stderr
+    assert f"{path} is a character device, not a rank table (expected a JSON file)" in one_error_line(result)
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "inf", "-1"])
+def test_cli_wait_with_a_timeout_that_is_no_duration_exits_78_at_once(tmp_path, env, text):
+    result = tool(["wait", f"--timeout={text}", str(tmp_path / "never.json")], env, timeout=30)
+    assert result.returncode == 78
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "--timeout" in result.stderr and text in result.stderr
+
+
+def oversized(path):
+    with open(path, "wb") as handle:
+        handle.truncate((32 << 20) + 1)
+
+
+HOSTILE = [
+    ("UTF-16", lambda path: path.write_text(golden("platform_example", 2), encoding="utf-16"),
+     "UTF-16 or UTF-32 text"),
+    ("over 32 MiB", oversized, "is 33554433 bytes, over the 32 MiB a rank table may have"),
+    ("nested 100 000 deep", lambda path: path.write_text("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+    ("5000 digits", lambda path: path.write_text(golden("platform_example", 2).replace(
+        '"group_count": "1"', '"group_count": ' + "1" * 5000)), "a number 5000 characters long"),
+]
+
+
+@pytest.mark.parametrize("make, message", [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_cli_wait_on_a_table_that_can_never_be_one_exits_78_at_once(tmp_path, env, make, message):
+    path = tmp_path / "jobstart_hccl.json"
+    make(path)
+    result = tool(["wait", "--timeout", "30", str(path)], env, timeout=60)
+    assert result.returncode == 78, result.stderr
+    line = one_error_line(result)
+    assert str(path) in line and message in line
+
+
+def character_device(path):
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 7))  # /dev/full itself, made in a scratch folder
+    except PermissionError:
+        pytest.skip("mknod needs root (CAP_MKNOD)")
+
+
+IN_THE_WAY = [
+    ("/dev/full", character_device, stat.S_ISCHR, "a character device"),
+    ("FIFO", os.mkfifo, stat.S_ISFIFO, "a FIFO"),
+    ("directory", os.mkdir, stat.S_ISDIR, "a directory"),
+]
+
+
+@pytest.mark.parametrize("make, kind, name", [c[1:] for c in IN_THE_WAY], ids=[c[0] for c in IN_THE_WAY])
+def test_cli_convert_never_replaces_what_is_not_a_file(tmp_path, env, make, kind, name):
+    out = tmp_path / "out" / "rank_table.json"
+    out.parent.mkdir()
+    make(out)
+    result = tool(["convert", str(DATA / "two_servers_8.template2.json"), str(out)], env, timeout=30)
+    assert result.returncode == 78
+    line = one_error_line(result)
+    assert f"cannot write {out}: {name} is in the way (only a regular file is ever replaced)" in line
+    assert kind(os.lstat(out).st_mode)
+    assert [p.name for p in out.parent.iterdir()] == ["rank_table.json"]
+
+
+NOT_A_TABLE = [("FIFO", os.mkfifo, "a FIFO"), ("/dev/zero", lambda path: path.symlink_to("/dev/zero"),
+                                               "a character device")]
+
+
+@pytest.mark.parametrize("make, name", [c[1:] for c in NOT_A_TABLE], ids=[c[0] for c in NOT_A_TABLE])
+def test_cli_convert_of_what_is_not_a_table_exits_78_at_once(tmp_path, env, make, name):
+    source = tmp_path / "jobstart_hccl.json"
+    make(source)
+    result = subprocess.run([MA_RUNTIME, "ranktable", "convert", str(source)], env=env, capture_output=True,
+                            text=True, timeout=15, preexec_fn=limited_memory)
+    assert result.returncode == 78
+    assert f"{source} is {name}, not a rank table (expected a JSON file)" in one_error_line(result)
+
+
+def test_ma_run_with_a_table_that_can_never_be_one_exits_78_without_running_the_command(tmp_path, env):
+    source = tmp_path / "config"
+    source.mkdir()
+    os.mkfifo(source / "jobstart_hccl.json")
+    env.update(RANK_TABLE_FILE=str(source), MA_RUNTIME_RANKTABLE_TIMEOUT="2", VC_TASK_INDEX="0")
+    result = run_ma(["sh", "-c", "echo RAN"], env, timeout=30)
+    assert result.returncode == 78 and "RAN" not in result.stdout and "Traceback" not in result.stderr
+    (line,) = error_lines(result.stderr)
+    assert "is a FIFO, not a rank table" in line
+    message = json.loads((log_dir(env) / TERMINATION).read_text())
+    assert message["stage"] == "ranktable" and message["exit_code"] == 78
+
+
+def test_ma_run_with_a_table_nested_100_000_deep_exits_78(tmp_path, env):
+    path = tmp_path / "jobstart_hccl.json"
+    path.write_text('{"status": "completed", "group_list": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    env.update(RANK_TABLE_FILE=str(path), MA_RUNTIME_RANKTABLE_TIMEOUT="2", VC_TASK_INDEX="0")
+    result = run_ma(["sh", "-c", "echo RAN"], env, timeout=30)
+    assert result.returncode == 78 and "RAN" not in result.stdout and "Traceback" not in result.stderr
+    (line,) = error_lines(result.stderr)
+    assert "nested too deeply" in line
 
 
 # --------------------------------------------------------------------------- ma-run

@@ -1,9 +1,13 @@
 """The rank table, in process: golden conversions, properties, validation, waiting, this node's view."""
 
+import codecs
 import collections
 import copy
 import json
+import os
 import re
+import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -465,6 +469,14 @@ def test_locate_treats_a_missing_path_without_json_suffix_as_a_directory(tmp_pat
     assert ranktable.locate("/user/config") == Path("/user/config/jobstart_hccl.json")
 
 
+def test_locate_takes_any_existing_non_directory_as_the_table(tmp_path):
+    (tmp_path / "rank_table").write_text("{}")
+    os.mkfifo(tmp_path / "fifo")
+    assert ranktable.locate(str(tmp_path / "rank_table")) == tmp_path / "rank_table"
+    assert ranktable.locate(str(tmp_path / "fifo")) == tmp_path / "fifo"
+    assert ranktable.locate("/dev/zero") == Path("/dev/zero")
+
+
 def test_locate_keeps_a_json_file_path(tmp_path):
     assert ranktable.locate(str(tmp_path / "rank_table.json")) == tmp_path / "rank_table.json"
     assert ranktable.locate("/user/config/jobstart_hccl.json") == Path("/user/config/jobstart_hccl.json")
@@ -481,7 +493,7 @@ def test_locate_keeps_a_json_file_path(tmp_path):
         (b'{"group_list": []}', "no status"),
         (b"[]", "no status"),
         (b'{"status": "completed", "group_list": []}', "completed"),
-        (b"\xff\xfe", "unreadable (UnicodeDecodeError)"),
+        ("\u00e4".encode()[:1], "incomplete JSON"),  # a writer half-way through a character
     ],
 )
 def test_look_names_what_it_found(tmp_path, content, state):
@@ -491,11 +503,12 @@ def test_look_names_what_it_found(tmp_path, content, state):
     seen = ranktable.look(path)
     assert seen.state == state
     if state in ("completed", "incomplete JSON", "status='initializing'"):
-        assert seen.text == content.decode()
+        assert seen.text == content.decode("utf-8", "ignore")  # a character cut at the end: no text yet
 
 
-def test_look_at_a_directory(tmp_path):
-    assert ranktable.look(tmp_path).state == "a directory"
+def test_look_at_a_directory_refuses_it(tmp_path):
+    with pytest.raises(RankTableError, match=f"^{re.escape(str(tmp_path))} is a directory, not a rank table"):
+        ranktable.look(tmp_path)
 
 
 # --------------------------------------------------------------------------- waiting, on a fake clock
@@ -769,3 +782,276 @@ def test_the_written_layout_is_the_same_json_with_one_server_per_line():
     text = ranktable.layout(document)
     assert json.loads(text) == document
     assert [line.strip()[:12] for line in text.splitlines() if "server_id" in line] == ['{"device": [', '{"device": [']
+
+
+# --------------------------------------------------------------------------- hostile tables
+# What no writer can turn into a completed table fails at once (RankTableError, exit 78), through every entry:
+# look (the wait loop), wait, prepare (`ma-runtime run`), peek (`ma-runtime plan`), read_any.
+
+BOUND = 32 << 20  # the documented bound on a rank table's size: 32 MiB
+DEEP = 100_000
+
+
+def completed_with(extra):
+    """The platform's completed example with one more top-level field, `extra` as raw JSON text."""
+    return COMPLETED.rstrip()[:-1].rstrip() + f', "extra": {extra}\n}}\n'
+
+
+def completed_with_group_count(raw):
+    assert '"group_count": "1"' in COMPLETED
+    return COMPLETED.replace('"group_count": "1"', f'"group_count": {raw}')
+
+
+HOSTILE_JSON = [
+    ("deep lists", completed_with("[" * DEEP + "]" * DEEP), r"nested too deeply"),
+    ("deep objects", completed_with('{"a": ' * DEEP + "1" + "}" * DEEP), r"nested too deeply"),
+    ("deep, unclosed", "[" * DEEP, r"nested too deeply"),
+    ("5000-digit int", completed_with("1" * 5000), r"a number 5000 characters long \(1111111111111111\.\.\.\)"),
+    ("4000-digit int", completed_with("7" * 4000), r"a number 4000 characters long"),
+    ("33-digit int", completed_with("1" * 33), r"a number 33 characters long"),
+    ("5000-digit negative", completed_with("-" + "9" * 5000), r"a number 5001 characters long \(-9999"),
+    ("5000-digit count", completed_with_group_count("1" * 5000), r"a number 5000 characters long"),
+    ("5000-digit fraction", completed_with("0." + "1" * 5000), r"a number 5002 characters long"),
+    ("5000-digit exponent", completed_with("1e" + "0" * 5000 + "1"), r"a number 5003 characters long"),
+    ("overflowing float", completed_with("1e400"), r"the number 1e400 is out of range"),
+    ("NaN", completed_with("NaN"), r"NaN is not a number a rank table holds"),
+    ("Infinity", completed_with("Infinity"), r"Infinity is not a number a rank table holds"),
+    ("-Infinity", completed_with("-Infinity"), r"-Infinity is not a number a rank table holds"),
+    ("NaN count", completed_with_group_count("NaN"), r"NaN is not a number"),
+]
+
+
+@pytest.mark.parametrize("text, message", [c[1:] for c in HOSTILE_JSON], ids=[c[0] for c in HOSTILE_JSON])
+def test_read_any_refuses_json_no_rank_table_holds(text, message):
+    with pytest.raises(RankTableError, match=r"^t\.json: " + message) as raised:
+        ranktable.read_any(text, "t.json")
+    assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION
+    assert "\n" not in str(raised.value) and len(str(raised.value)) < 300
+
+
+@pytest.mark.parametrize("text, message", [c[1:] for c in HOSTILE_JSON], ids=[c[0] for c in HOSTILE_JSON])
+def test_wait_fails_at_once_on_json_no_rank_table_holds(tmp_path, text, message):
+    path, fake = tmp_path / "jobstart_hccl.json", FakeTime()
+    path.write_text(text)
+    with pytest.raises(RankTableError, match=message):
+        ranktable.wait(path, 60, Log(), clock=fake.clock, sleep=fake.sleep)
+    assert fake.sleeps == []
+
+
+def test_numbers_of_up_to_32_characters_and_unused_floats_are_read():
+    for extra in ("1" * 32, "-" + "1" * 31, "1.5", "-2.5e-3", "1" * 20 + ".0"):
+        ranked = ranktable.read_any(completed_with(extra), "t.json")
+        assert ranked.template_one() == json.loads(golden("platform_example", 1))
+
+
+def fifo(path):
+    os.mkfifo(path)
+
+
+def directory(path):
+    path.mkdir()
+
+
+def character_device(path):
+    path.symlink_to("/dev/null")  # reads as empty: never a table (/dev/zero would be endless)
+
+
+def oversized(path):
+    with open(path, "wb") as handle:
+        handle.truncate(BOUND + 1)  # sparse: the size alone must refuse it
+
+
+def content(data):
+    return lambda path: path.write_bytes(data)
+
+
+HOSTILE_FILES = [
+    ("FIFO", fifo, r" is a FIFO, not a rank table \(expected a JSON file\)"),
+    ("character device", character_device, r" is a character device, not a rank table \(expected a JSON file\)"),
+    ("directory", directory, r" is a directory, not a rank table \(expected a JSON file\)"),
+    ("over 32 MiB", oversized, r" is 33554433 bytes, over the 32 MiB a rank table may have"),
+    ("UTF-16", content(COMPLETED.encode("utf-16")), r": UTF-16 or UTF-32 .*; a rank table is UTF-8 JSON"),
+    ("UTF-16 without BOM", content(COMPLETED.encode("utf-16-le")), r": UTF-16 or UTF-32 .*; a rank table is UTF-8"),
+    ("UTF-16 BE", content(COMPLETED.encode("utf-16-be")), r": UTF-16 or UTF-32"),
+    ("UTF-32", content(COMPLETED.encode("utf-32")), r": UTF-16 or UTF-32"),
+    ("UTF-16 BOM only", content(b"\xff\xfe"), r": UTF-16 or UTF-32"),
+    ("NUL byte", content(COMPLETED.encode()[:40] + b"\0" + COMPLETED.encode()[40:]), r": UTF-16 or UTF-32"),
+    ("Latin-1", content(COMPLETED.replace("job-trainjob", "job-tr\u00e4injob").encode("latin-1")),
+     r": not UTF-8 \(byte \d+\); a rank table is UTF-8 JSON"),
+    ("cut character mid-file", content("\u00e4".encode()[:1] + b" " + COMPLETED.encode()),
+     r": not UTF-8 \(byte 0\)"),
+]
+HOSTILE_IDS = [c[0] for c in HOSTILE_FILES]
+
+
+class FifoReleaser:
+    """Guards a test against a reader blocked in open() on a FIFO: after 5 s, it opens the write end again and
+    again, so each blocked open returns (to read nothing) and the test fails on its assertions, not by hanging."""
+
+    def __init__(self, path):
+        self.path = path
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._release, daemon=True)
+
+    def _release(self):
+        if self.stop.wait(5):
+            return
+        while not self.stop.wait(0.02):
+            try:
+                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # no reader waiting (ENXIO), or the FIFO is gone
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def hostile_at(tmp_path, make):
+    """The hostile thing at config/jobstart_hccl.json: RANK_TABLE_FILE=config finds it there."""
+    config = tmp_path / "config"
+    config.mkdir()
+    make(config / "jobstart_hccl.json")
+    return config / "jobstart_hccl.json"
+
+
+@pytest.mark.parametrize("make, message", [c[1:] for c in HOSTILE_FILES], ids=HOSTILE_IDS)
+def test_look_refuses_what_never_becomes_a_table(tmp_path, make, message):
+    path = hostile_at(tmp_path, make)
+    with FifoReleaser(path), pytest.raises(RankTableError, match="^" + re.escape(str(path)) + message) as raised:
+        ranktable.look(path)
+    assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("make, message", [c[1:] for c in HOSTILE_FILES], ids=HOSTILE_IDS)
+def test_wait_fails_at_once_on_what_never_becomes_a_table(tmp_path, make, message):
+    path, fake = hostile_at(tmp_path, make), FakeTime()
+    with FifoReleaser(path), pytest.raises(RankTableError, match=message):
+        ranktable.wait(path, 60, Log(), clock=fake.clock, sleep=fake.sleep)
+    assert fake.sleeps == []
+
+
+@pytest.mark.parametrize("make, message", [c[1:] for c in HOSTILE_FILES], ids=HOSTILE_IDS)
+def test_prepare_fails_at_once_and_writes_nothing(tmp_path, make, message):
+    path = hostile_at(tmp_path, make)
+    with FifoReleaser(path), pytest.raises(RankTableError, match=message):
+        ranktable.prepare(spec_for(tmp_path, path.parent, timeout=2), {"VC_TASK_INDEX": "0"}, Log())
+    assert not (tmp_path / "mount").exists()
+
+
+@pytest.mark.parametrize("make, message", [c[1:] for c in HOSTILE_FILES], ids=HOSTILE_IDS)
+def test_peek_refuses_what_never_becomes_a_table(tmp_path, make, message):
+    path = hostile_at(tmp_path, make)
+    with FifoReleaser(path), pytest.raises(RankTableError, match=message):
+        ranktable.peek(spec_for(tmp_path, path.parent), {"VC_TASK_INDEX": "0"})
+
+
+def test_read_table_refuses_the_same_files(tmp_path):
+    for name, make, message in HOSTILE_FILES:
+        path = tmp_path / name.replace(" ", "-")
+        path.mkdir()
+        with pytest.raises(RankTableError, match=message):
+            ranktable.read_table(hostile_at(path, make))
+
+
+def test_a_table_of_exactly_32_mib_is_read(tmp_path):
+    path = tmp_path / "jobstart_hccl.json"
+    path.write_bytes(COMPLETED.encode().ljust(BOUND))
+    assert ranktable.look(path).state == "completed"
+    assert ranktable.read_table(path).rstrip() == COMPLETED.rstrip()
+
+
+def test_a_utf8_byte_order_mark_is_tolerated(tmp_path):
+    path = tmp_path / "jobstart_hccl.json"
+    path.write_bytes(codecs.BOM_UTF8 + COMPLETED.encode())
+    assert ranktable.wait(path, 0, Log()) == COMPLETED
+    assert ranktable.read_table(path) == COMPLETED
+
+
+def test_a_character_cut_at_the_end_is_not_yet(tmp_path):
+    """The writer is half-way through a multi-byte character: a half-written file, not a broken one."""
+    path, log = tmp_path / "jobstart_hccl.json", Log()
+    whole = COMPLETED.replace("job-trainjob", "job-tr\u00e4injob").encode()
+    cut = whole[: whole.index("\u00e4".encode()) + 1]
+    fake = FakeTime([(0.5, lambda: path.write_bytes(cut)), (1.5, lambda: path.write_bytes(whole))])
+    path.write_bytes(cut)
+    assert ranktable.look(path).state == "incomplete JSON"
+    assert ranktable.wait(path, 60, log, progress=1.0, clock=fake.clock, sleep=fake.sleep) == whole.decode()
+    assert [f["seen"] for f in log.fields("rank table waiting")] == ["incomplete JSON"]
+
+
+def test_read_table_of_a_character_cut_at_the_end_says_so(tmp_path):
+    path = tmp_path / "jobstart_hccl.json"
+    path.write_bytes(COMPLETED.encode() + "\u00e4".encode()[:1])
+    with pytest.raises(RankTableError, match=r"ends inside a UTF-8 character \(byte \d+\): half-written"):
+        ranktable.read_table(path)
+
+
+def test_read_table_of_a_missing_file_says_cannot_read(tmp_path):
+    path = tmp_path / "absent.json"
+    with pytest.raises(RankTableError, match=f"^cannot read the rank table {re.escape(str(path))}: No such file"):
+        ranktable.read_table(path)
+
+
+# --------------------------------------------------------------------------- writing over what is not a file
+
+
+def character_device_node(path):
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 7))  # /dev/full's numbers, in a scratch folder
+    except PermissionError:
+        pytest.skip("mknod needs root (CAP_MKNOD)")
+
+
+def fifo_behind_a_link(path):
+    os.mkfifo(path.with_name("fifo"))
+    path.symlink_to("fifo")
+
+
+IN_THE_WAY = [
+    ("FIFO", fifo, stat.S_ISFIFO, "a FIFO"),
+    ("character device", character_device_node, stat.S_ISCHR, "a character device"),
+    ("directory", directory, stat.S_ISDIR, "a directory"),
+    ("link to a FIFO", fifo_behind_a_link, stat.S_ISFIFO, "a FIFO"),
+]
+
+
+@pytest.mark.parametrize("make, kind, name", [c[1:] for c in IN_THE_WAY], ids=[c[0] for c in IN_THE_WAY])
+def test_write_atomically_never_replaces_what_is_not_a_file(tmp_path, make, kind, name):
+    target = tmp_path / "out.json"
+    make(target)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    document = ranktable.read_any(COMPLETED, "t2").template_one()
+    with pytest.raises(RankTableError) as raised:
+        ranktable.write_atomically(target, document)
+    assert str(raised.value) == f"cannot write {target}: {name} is in the way (only a regular file is ever replaced)"
+    assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION
+    assert kind(os.stat(target).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_prepare_never_replaces_a_fifo_at_the_converted_path(tmp_path):
+    source = tmp_path / "config"
+    source.mkdir()
+    (source / "jobstart_hccl.json").write_text(golden("two_servers_8", 2))
+    spec = spec_for(tmp_path, source)
+    target = ranktable.converted_path(spec)
+    target.parent.mkdir(parents=True)
+    os.mkfifo(target)
+    with pytest.raises(RankTableError, match=r"cannot write .*: a FIFO is in the way"):
+        ranktable.prepare(spec, {"VC_TASK_INDEX": "0"}, Log())
+    assert stat.S_ISFIFO(os.lstat(target).st_mode)
+    assert [p.name for p in target.parent.iterdir()] == ["jobstart_hccl.json"]
+
+
+def test_write_atomically_replaces_a_regular_file_through_its_link(tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    (tmp_path / "link.json").symlink_to("real.json")
+    document = ranktable.read_any(COMPLETED, "t2").template_one()
+    ranktable.write_atomically(tmp_path / "link.json", document)
+    assert (tmp_path / "link.json").is_symlink() and json.loads(real.read_text()) == document
