@@ -664,7 +664,7 @@ def prepare(spec, environ: Mapping[str, str], log) -> Optional[Prepared]:
     log.info("rank table wait started", path=str(source), timeout_s=spec.ranktable_timeout)
     text = wait(source, spec.ranktable_timeout, log)
     ranked = read_any(text, str(source))
-    view = node_view(ranked, environ, _hostname())
+    view = node_view(ranked, _resolved(spec, environ), _hostname())
     target = converted_path(spec)
     document = ranked.template_one()
     write_atomically(target, document)
@@ -685,7 +685,17 @@ def peek(spec, environ: Mapping[str, str]) -> Optional[Prepared]:
         raise RankTableError(f"rank table {source} is not completed yet (seen: {seen.state}); the plan needs it",
                              hint="run `ma-runtime ranktable wait` first, or plan on the node once the job started")
     ranked = read_any(seen.text, str(source))
-    return Prepared(source, converted_path(spec), ranked, node_view(ranked, environ, _hostname()))
+    return Prepared(source, converted_path(spec), ranked, node_view(ranked, _resolved(spec, environ), _hostname()))
+
+
+def _resolved(spec, environ: Mapping[str, str]) -> Dict[str, str]:
+    """The environment `node_view` reads, with the job's resolved task index and card count: a value
+    given by flag or job file counts as much as the variable (flags > env > file > defaults)."""
+    view = dict(environ)
+    for name, variable in (("task_index", "VC_TASK_INDEX"), ("num_gpus", "MA_NUM_GPUS")):
+        if spec.sources.get(name, "default") != "default":
+            view[variable] = str(getattr(spec, name))
+    return view
 
 
 def _hostname() -> str:

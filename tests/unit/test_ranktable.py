@@ -1055,3 +1055,18 @@ def test_write_atomically_replaces_a_regular_file_through_its_link(tmp_path):
     document = ranktable.read_any(COMPLETED, "t2").template_one()
     ranktable.write_atomically(tmp_path / "link.json", document)
     assert (tmp_path / "link.json").is_symlink() and json.loads(real.read_text()) == document
+
+
+@pytest.mark.parametrize("how", ["flag", "file"])
+def test_prepare_finds_this_node_by_the_task_index_from_a_flag_or_the_job_file(tmp_path, how):
+    # The node view read VC_TASK_INDEX from the environment only: `--task-index 1` was ignored.
+    source = tmp_path / "config"
+    source.mkdir()
+    (source / "jobstart_hccl.json").write_text(golden("two_servers_8", 2))
+    environ = {"MA_MOUNT_PATH": str(tmp_path / "mount"), "MA_HOME": str(tmp_path / "home"),
+               "RANK_TABLE_FILE": str(source)}
+    job = tmp_path / "job.yaml"
+    job.write_text("task_index: 1\n")
+    spec = job_spec.load({"task_index": "1"}, environ) if how == "flag" else job_spec.load({}, environ, str(job))
+    prepared = ranktable.prepare(spec, environ, Log())
+    assert prepared.node.server_id == "172.16.0.11" and prepared.node.matched_by == "VC_TASK_INDEX"
