@@ -49,7 +49,8 @@ OnWait = Callable[[List[str], float, float], None]
 def run(spec: JobSpec, environ: Mapping[str, str], progress: Optional[Progress] = None) -> List[Result]:
     volcano_dir = Path(spec.preflight_volcano_dir)
     try:
-        names = host_names(volcano_dir, environ)
+        # The resolved VC_WORKER_HOSTS: a job file's `worker_hosts` counts as the variable does.
+        names = host_names(volcano_dir, {"VC_WORKER_HOSTS": spec.worker_hosts or ""})
     except OSError as exc:
         return [_unreadable(exc)]
     if not names:

@@ -463,3 +463,15 @@ def load_spec(tmp_path, volcano_dir, **settings):
     environ.setdefault("MA_RUNTIME_PREFLIGHT_DNS_TIMEOUT_SECONDS", "1")
     environ.update(settings)
     return spec.load({}, environ)
+
+
+def test_the_worker_hosts_of_the_job_file_are_checked_too(tmp_path):
+    # dns read VC_WORKER_HOSTS from the environment only: the job file's `worker_hosts` was ignored.
+    from ma_runtime import spec as job_spec
+
+    job = tmp_path / "job.yaml"
+    job.write_text("worker_hosts: never-there-1.invalid\n")
+    environ = {"MA_HOME": str(tmp_path), "MA_RUNTIME_PREFLIGHT_VOLCANO_DIR": str(tmp_path / "none"),
+               "MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS": "0"}
+    (result,) = dns.run(job_spec.load({}, environ, str(job)), environ)
+    assert result.status.value == "fail" and "never-there-1.invalid" in result.hint
