@@ -183,7 +183,8 @@ def test_a_hung_lookup_does_not_keep_the_interpreter_from_exiting():
 
 def test_run_passes_for_names_that_resolve(tmp_path):
     (tmp_path / "worker.host").write_text("127.0.0.1 localhost\n")
-    (result,) = dns.run(load_spec(tmp_path, tmp_path), {"VC_WORKER_HOSTS": "localhost,127.0.0.1"})
+    hosts = {"VC_WORKER_HOSTS": "localhost,127.0.0.1"}
+    (result,) = dns.run(load_spec(tmp_path, tmp_path, **hosts), hosts)
     assert (result.item, result.status, result.code) == ("dns", Status.PASS, "ok")
     assert (result.value, result.threshold, result.unit) == (2, 2, "names")
     assert result.detail == {"rounds": 1}
@@ -289,8 +290,8 @@ def test_no_progress_when_nothing_is_waited_for(names, deadline):
 def test_run_reports_progress_as_one_message_with_fields(tmp_path):
     names = [f"n{i}.invalid" for i in range(7)]
     messages = []
-    settings = {"MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS": "0.5"}
-    dns.run(load_spec(tmp_path, tmp_path / "absent", **settings), {"VC_WORKER_HOSTS": ",".join(names)},
+    settings = {"MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS": "0.5", "VC_WORKER_HOSTS": ",".join(names)}
+    dns.run(load_spec(tmp_path, tmp_path / "absent", **settings), settings,
             progress=lambda message, fields: messages.append((message, fields)))
     message, fields = messages[0]
     assert message == "dns waiting"
@@ -416,7 +417,7 @@ def test_names_resolvable_only_inside_the_namespace(netns, tmp_path):
     assert (inside["value"], inside["threshold"], inside["unit"]) == (3, 3, "names")
 
     # The host namespace's /etc/hosts does not know them.
-    host_spec = load_spec(tmp_path, volcano, **{k: v for k, v in settings.items() if k.startswith("MA_")})
+    host_spec = load_spec(tmp_path, volcano, **settings)
     (outside,) = dns.run(host_spec, {"VC_WORKER_HOSTS": settings["VC_WORKER_HOSTS"]})
     assert (outside.status, outside.code) == (Status.FAIL, "dns.unresolved")
     assert (outside.value, outside.threshold) == (0, 3)
