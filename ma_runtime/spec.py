@@ -36,7 +36,12 @@ _SHOWN_CHARS = 60
 
 
 class BadValue(ValueError):
-    """A parser's complaint; the caller adds which variable, key or flag it was."""
+    """A parser's complaint; the caller adds which variable, key or flag it was. `hint` says how to fix it,
+    when the parser knows better than the setting's help text."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
 
 
 def _integer(minimum: int, maximum: int) -> Callable[[str], int]:
@@ -125,9 +130,9 @@ def _url(text: str) -> str:
     from ma_runtime.storage import url as storage_url  # obs://, s3://, file:// or a path
 
     try:
-        storage_url.parse(text)
+        storage_url.parse(text, where="")  # the problem alone: the error line quotes the value once
     except ConfigError as exc:
-        raise BadValue(exc.reason.replace("URL: ", "is not a usable URL: ", 1)) from None
+        raise BadValue(f"is not a usable URL: {exc.reason}", exc.hint) from None
     return str(text).strip()
 
 
@@ -569,7 +574,8 @@ def _resolve(setting: Setting, flags: Mapping[str, str], environ: Mapping[str, s
         try:
             return setting.parse(str(raw)), source
         except BadValue as exc:
-            raise ConfigError(f"{where}={shown(str(raw))} {exc}", hint=f"{setting.env}: {setting.help}") from None
+            hint = exc.hint or f"{setting.env}: {setting.help}"
+            raise ConfigError(f"{where}={shown(str(raw))} {exc}", hint=hint) from None
     return None
 
 

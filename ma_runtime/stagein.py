@@ -8,9 +8,16 @@ A prefix's local path is that directory; a single object lands inside it and the
 command is given the file's path. The command hears of each channel as
 `--<name>=<local path>` (mode argument) or as the variable `<name>` (mode env).
 
-What was staged is recorded in `${MA_MOUNT_PATH}/.ma-runtime/staged.json`; a
-restart in the same pod (MA_PROC_START_CNT > 1) does not fetch it again. The
-platform's size limits (§5.1-5.3) are warnings, not errors.
+What was staged is recorded in `${MA_MOUNT_PATH}/.ma-runtime/staged.json` (written
+atomically, never over something that is not a regular file); a restart in the
+same pod (MA_PROC_START_CNT > 1) does not fetch it again. The platform's size
+limits (§5.1-5.3) are warnings, not errors.
+
+Every URL was validated when the job was loaded (storage/url.py): no last part
+that is empty, `.` or `..`, so the code directory is one name strictly inside
+MA_JOB_DIR. A failure is one line naming what failed, the URL once, and the
+store's endpoint (transfer.py adds it); the local side (a folder that cannot be
+made, a record that cannot be written) fails as storage too, with the path.
 """
 
 import dataclasses
@@ -20,9 +27,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ma_runtime.errors import ConfigError
+from ma_runtime.files import write_atomically
 from ma_runtime.spec import Channel, JobSpec
 from ma_runtime.storage import url as storage_url
-from ma_runtime.storage.base import NotFound, StorageError
+from ma_runtime.storage.base import StorageError
+from ma_runtime.storage.safety import read_regular
 
 # (total bytes, files, single file bytes) the platform's console allows (001:1467, 1555, 1606).
 LIMITS = {
@@ -42,7 +52,11 @@ class Staged:
 
 def code_dir(spec: JobSpec) -> Path:
     """`obs://b/path/demo-code` -> `${MA_JOB_DIR}/demo-code`: the last path part is kept (001:821-824)."""
-    return spec.job_dir / storage_url.parse(spec.code_url).last_part
+    name = storage_url.parse(spec.code_url, "code URL").last_part
+    # parse() refuses these already; the rule is restated where the path is made, as the promise it is.
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise ConfigError(f"code URL {spec.code_url!r}: {name!r} is not a folder name inside MA_JOB_DIR")
+    return spec.job_dir / name
 
 
 def planned(spec: JobSpec) -> Staged:
@@ -57,9 +71,17 @@ def planned(spec: JobSpec) -> Staged:
 
 
 def stage_in(spec: JobSpec, environ, log) -> Staged:
-    staged = Staged()
     if not (spec.code_url or spec.inputs or spec.outputs):
-        return staged
+        return Staged()
+    try:
+        return _stage_all(spec, environ, log)
+    except OSError as exc:  # the local side: a folder that cannot be made, a record that cannot be written
+        where = f": {exc.filename}" if exc.filename else ""
+        raise StorageError(f"stage-in failed{where}: {exc.strerror or exc}", stage="stage-in") from None
+
+
+def _stage_all(spec: JobSpec, environ, log) -> Staged:
+    staged = Staged()
     record = _Record(spec.state_dir / "staged.json", reuse=spec.proc_start_cnt > 1)
     if spec.code_url:
         _fetch(spec, environ, log, record, "code", storage_url.parse(spec.code_url), code_dir(spec))
@@ -89,12 +111,14 @@ def _fetch(spec, environ, log, record, kind: str, location, target: Path, channe
     started = time.monotonic()
     try:
         store = open_store(location, spec, environ)
-        dest = target if location.is_prefix else _single_target(store, location, target)
-        summary = transfer.download(store, location, dest, transfer.TransferOptions.from_spec(spec, spec.state_dir),
-                                    log)
+        # A URL without a trailing slash is an object (landing inside `target`) or a prefix: the engine asks.
+        summary = transfer.download(store, location, target, transfer.TransferOptions.from_spec(spec, spec.state_dir),
+                                    log, into_folder=not location.is_prefix)
     except StorageError as exc:
-        # One line that names what failed and where; the engine's message says why.
-        raise type(exc)(f"{what} failed: {location.text}: {exc.reason}", hint=exc.hint, stage="stage-in") from None
+        # One line that names what failed, the URL once (the engine's message often names it already) and why.
+        reason = exc.reason if _names(exc.reason, location) else f"{location.text}: {exc.reason}"
+        raise type(exc)(f"{what} failed: {reason}", hint=exc.hint, stage="stage-in") from None
+    dest = summary.path
     elapsed = round(time.monotonic() - started, 3)
     log.info(f"{what} completed", url=location.text, path=str(dest), files=summary.files, bytes=summary.bytes,
              skipped=summary.skipped, refused=len(summary.refused), elapsed_s=elapsed)
@@ -103,13 +127,9 @@ def _fetch(spec, environ, log, record, kind: str, location, target: Path, channe
     return dest
 
 
-def _single_target(store, location, target: Path) -> Path:
-    """A prefix written without its trailing slash is still a directory; an object lands inside `target`."""
-    try:
-        store.head(location.bucket, location.key)
-    except NotFound:
-        return target  # the engine decides between a prefix and a missing URL
-    return target / location.key.rstrip("/").rsplit("/", 1)[-1]
+def _names(reason: str, location) -> bool:
+    """Whether `reason` names the location already, as written or as the store spells it (obs://)."""
+    return location.text in reason or (location.remote and f"obs://{location.bucket}/{location.key}" in reason)
 
 
 def _as_prefix(url: str):
@@ -157,17 +177,16 @@ class _Record:
         self.entries: Dict[str, str] = {}
         if reuse:
             try:
-                self.entries = json.loads(path.read_text())
+                loaded = json.loads(read_regular(path) or b"{}")  # a FIFO there is refused, not waited on
             except (OSError, ValueError):
-                self.entries = {}
+                loaded = {}  # what cannot be read is fetched again; writing the record then says what is wrong
+            self.entries = loaded if isinstance(loaded, dict) else {}
 
     def get(self, url: str, target: Path) -> Optional[str]:
         found = self.entries.get(f"{url} -> {target}")
-        return found if found and os.path.exists(found) else None
+        return found if isinstance(found, str) and os.path.exists(found) else None
 
     def add(self, url: str, target: Path, dest: Path) -> None:
         self.entries[f"{url} -> {target}"] = str(dest)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(self.entries, indent=1))
-        os.replace(tmp, self.path)
+        write_atomically(self.path, json.dumps(self.entries, indent=1))

@@ -5,16 +5,16 @@ but *returns* HTTP errors as status codes) into these exceptions, so the
 transfer engine has one set to retry or report:
 - `TransientError`: worth retrying (connection reset, timeout, 5xx, 429, a body cut short);
 - `AccessDenied` (403), `NotFound` (404): fail at once, with a clear message;
+- `ObjectChanged`: the object is no longer the version that was listed; not retried,
+  because a part of the new version must never be written next to parts of the old;
 - `StorageError`: anything else, not retried.
 All of them end a run with exit code 80, "storage failed".
 """
 
 import dataclasses
-from typing import Any, Iterator, List, Optional, Protocol, Tuple
+from typing import Iterator, List, Optional, Protocol, Tuple
 
 from ma_runtime.errors import Category, ExitCode, RuntimeFailure
-
-Hash = Any  # a hashlib object: hashlib exports no type for one
 
 
 class StorageError(RuntimeFailure):
@@ -39,11 +39,21 @@ class CorruptTransfer(StorageError):
     """Bytes arrived but do not match the object's size or checksum, even after retrying."""
 
 
+class ObjectChanged(StorageError):
+    """The object was replaced (another ETag, size or file) after it was listed; a rerun fetches the new one."""
+
+    def __init__(self, reason: str, hint: str = "run again: the new version is then fetched from the start",
+                 stage=None):
+        super().__init__(reason, hint, stage)
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     key: str
     size: int
-    etag: Optional[str] = None  # without quotes; "<hex>-<n>" for multipart uploads (not an MD5)
+    # Without quotes; "<hex>-<n>" for multipart uploads (not an MD5). Whatever its form, it names one version
+    # of the object: `read_range` refuses to read any other (the local backend makes one from the file's stat).
+    etag: Optional[str] = None
 
     @property
     def md5(self) -> Optional[str]:
@@ -61,12 +71,13 @@ class ObjectStore(Protocol):
     def head(self, bucket: str, key: str) -> ObjectInfo:
         """Raises NotFound when there is no such object."""
 
-    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int,
-                   digest: Optional[Hash] = None, whole: bool = False) -> int:
+    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
+                   etag: Optional[str] = None, whole: bool = False) -> int:
         """Writes bytes [start, start+length) of the object at `offset` of the open file `fd` (os.pwrite),
-        streaming; returns the byte count. A body shorter than asked raises TransientError. `digest`
-        (a hashlib object), when given, is fed every byte as it is written: a check without a re-read.
-        `whole`: the range is the whole object as listed (the store may then skip the Range header)."""
+        streaming; returns the byte count. A body shorter than asked raises TransientError. `etag`, when
+        given, is the version listed: a read of any other version raises ObjectChanged, so the parts of one
+        file all come from one version. `whole`: the range is the whole object as listed (the store may
+        then skip the Range header)."""
 
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
         """Uploads a whole file in one request."""

@@ -7,7 +7,10 @@ Settings (spec.py) and the decisions made from them:
   `OBS_SECURITY_TOKEN`, passed to the SDK explicitly. Its own provider chain stays
   off (`security_provider_policy` unset), so it never queries the ECS metadata
   service. The values appear in no message: messages name the variables, and
-  every message built here is masked for the values too.
+  every message built here is masked for the values too. A value holding a control
+  character (a line-wrapped token) is refused when read, as bad configuration: sent
+  on, it would fail inside http.client with the value escaped in the exception's
+  text, where no masker recognises it.
 - region (signs v4 requests): `storage.region`, else `<region>` of a host shaped
   `obs.<region>.<domain>.<tld>` (obs.cn-north-4.myhuaweicloud.com), else
   "us-east-1", what S3-compatible servers (MinIO, moto) expect by default.
@@ -19,9 +22,14 @@ Settings (spec.py) and the decisions made from them:
 - retries: the SDK's are off (`max_retry_count=0`); the transfer engine retries
   TransientError itself, with its own deadline.
 - timeout: the SDK has one, applied to every socket operation (connect, each
-  send, each receive), not a connect/read pair. 60 s, the SDK's default: a
-  CompleteMultipartUpload of many parts can take a while to answer, and a retried
-  complete would fail with NoSuchUpload.
+  send, each receive), not a connect/read pair; the reads of signed.py use the same.
+  60 s, the SDK's default (a CompleteMultipartUpload of many parts can take a while
+  to answer, and a retried complete would fail with NoSuchUpload), but never more
+  than the retry budget (`MA_RUNTIME_STORAGE_RETRY_SECONDS`): a hanging endpoint
+  must not hold a run past the time it was given. At least 1 s.
+- versions: every GET of an object names the version listed (`If-Match: <ETag>`), and
+  the ETag of the answer is compared too, for servers that ignore If-Match: parts of
+  one file never come from two versions, whether or not the ETag is an MD5.
 - reads (GET of objects and listings) go through `signed.py`: the SDK signs each
   one (`createSignedUrl`), and it travels over a kept-alive connection per thread,
   its body read into a reused buffer. Measured, that is what makes many small
@@ -38,6 +46,7 @@ import ipaddress
 import os
 import ssl
 import threading
+import unicodedata
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 from urllib.parse import unquote_plus, urlsplit
@@ -45,9 +54,10 @@ from xml.etree import ElementTree
 
 from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
 
+from ma_runtime.errors import ConfigError
 from ma_runtime.redact import Masker
 from ma_runtime.storage import signed
-from ma_runtime.storage.base import AccessDenied, NotFound, ObjectInfo, StorageError, TransientError
+from ma_runtime.storage.base import AccessDenied, NotFound, ObjectChanged, ObjectInfo, StorageError, TransientError
 
 try:  # requests (an SDK dependency) brings urllib3, whose errors are not all OSErrors
     from urllib3.exceptions import HTTPError as Urllib3Error
@@ -62,6 +72,7 @@ CREDENTIAL_SOURCE = f"{ACCESS_KEY_VARIABLE}/{SECRET_KEY_VARIABLE}"
 CHUNK = 1 << 20  # bytes read from a body and written to the file at a time
 PAGE_SIZE = 1000  # keys per listing request, the server's maximum
 TIMEOUT_SECONDS = 60
+MIN_TIMEOUT_SECONDS = 1.0  # below this, a healthy endpoint's answers would time out too
 DEFAULT_REGION = "us-east-1"
 HUAWEI_DOMAINS = ("myhuaweicloud.com", "huaweicloud.com")
 RETRYABLE_STATUSES = (429,)  # and every status >= 500
@@ -71,9 +82,9 @@ LOCAL_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotA
 
 class ObsStore:
     def __init__(self, client: ObsClient, endpoint: str, masker: Masker, credential_source: str = CREDENTIAL_SOURCE,
-                 presigner: Optional[signed.V4Presigner] = None):
+                 presigner: Optional[signed.V4Presigner] = None, timeout: float = TIMEOUT_SECONDS):
         self._client = client
-        self._reads = signed.SignedReads(client, TIMEOUT_SECONDS, presigner)
+        self._reads = signed.SignedReads(client, timeout, presigner)
         self._endpoint = endpoint
         self._masker = masker
         self._credential_source = credential_source
@@ -86,7 +97,8 @@ class ObsStore:
         endpoint = endpoint_url(spec.storage_endpoint, spec.storage_use_https)
         access_key, secret_key, token = read_credentials(environ)
         masker = Masker(value for value in (access_key, secret_key, token) if value)
-        client = new_client(spec, endpoint, access_key, secret_key, token, masker)
+        timeout = socket_timeout(spec.storage_retry_seconds)
+        client = new_client(spec, endpoint, access_key, secret_key, token, masker, timeout)
         source = CREDENTIAL_SOURCE + (f"/{TOKEN_VARIABLE}" if token else "")
         presigner = None
         if spec.storage_signature.lower() == "v4":
@@ -94,7 +106,7 @@ class ObsStore:
             region = signing_region(spec.storage_region, host)
             path_style = uses_path_style(spec.storage_path_style, host)
             presigner = signed.V4Presigner(endpoint, region, path_style, access_key, secret_key, token)
-        return cls(client, endpoint, masker, source, presigner)
+        return cls(client, endpoint, masker, source, presigner, timeout)
 
     def describe(self) -> str:
         return f"OBS endpoint {self._endpoint} (credentials from {self._credential_source})"
@@ -117,23 +129,30 @@ class ObsStore:
             raise StorageError(f"reading the metadata of {object_url(bucket, key)}: no Content-Length in the answer")
         return ObjectInfo(key, int(metadata.contentLength), unquote_etag(metadata.etag))
 
-    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int,
-                   digest=None, whole: bool = False) -> int:
+    def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
+                   etag: Optional[str] = None, whole: bool = False) -> int:
         if length <= 0:
             return 0  # "bytes=5-4" is not a range; there is nothing to fetch
         url = object_url(bucket, key)
+        headers = {"If-Match": f'"{etag}"'} if etag else {}
         # The whole object goes without a Range header: a ranged GET costs the server more (6-8 %
         # on s3rver), and a small file's download is all server time.
         byte_range = None if whole and start == 0 else f"bytes={start}-{start + length - 1}"
-        response = self._open("reading", bucket, key, headers={"Range": byte_range} if byte_range else None)
+        if byte_range:
+            headers["Range"] = byte_range
+        response = self._open("reading", bucket, key, headers=headers or None)
         try:
             if byte_range and response.status != 206 and start != 0:
                 # A 200 carries the object from byte 0: writing it at `offset` would corrupt the file.
                 raise StorageError(f"reading {url}: the server ignored Range {byte_range}")
+            served = unquote_etag(response.getheader("ETag"))
+            if etag and served and served != etag:  # a server that ignores If-Match
+                raise ObjectChanged(f"reading {url}: the object changed after it was listed (ETag {etag} when "
+                                    f"listed, {served} now)")
             if not byte_range and response.length is not None and response.length != length:
-                raise StorageError(f"reading {url}: the object changed while it was downloaded ({length} bytes "
-                                   f"when listed, {response.length} now)", hint="run again")
-            return self._copy_body(response, length, fd, offset, url, digest)
+                raise ObjectChanged(f"reading {url}: the object changed after it was listed ({length} bytes when "
+                                    f"listed, {response.length} now)")
+            return self._copy_body(response, length, fd, offset, url)
         finally:
             self._reads.release(response)
 
@@ -266,6 +285,8 @@ class ObsStore:
         if status == 404:
             missing = f"bucket {bucket!r} does not exist" if code == "NoSuchBucket" else "not found"
             return NotFound(self._masked(f"{where}: {missing} ({answer})"))
+        if status == 412:  # only reads send a precondition: If-Match, the ETag listed
+            return ObjectChanged(self._masked(f"{where}: the object changed after it was listed ({answer})"))
         return StorageError(self._masked(f"{where}: {answer}"))
 
     def _body_of(self, resp: Any, action: str, bucket: str, key: str) -> Any:
@@ -284,7 +305,7 @@ class ObsStore:
                                "no next marker")
         return next_marker
 
-    def _copy_body(self, response: Any, length: int, fd: int, offset: int, url: str, digest=None) -> int:
+    def _copy_body(self, response: Any, length: int, fd: int, offset: int, url: str) -> int:
         """Reads the body into this thread's buffer and writes it at `offset` of `fd`, CHUNK at a time."""
         buffer = self._reads.buffer(CHUNK)
         done = 0
@@ -297,8 +318,6 @@ class ObsStore:
             if not count:
                 raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes")
             _pwrite_all(fd, buffer[:count], offset + done)
-            if digest is not None:
-                digest.update(buffer[:count])
             done += count
         return done
 
@@ -347,6 +366,9 @@ def endpoint_url(configured: Optional[str], use_https: bool) -> str:
     endpoint = (configured or "").strip().rstrip("/")
     if not endpoint:
         raise StorageError("no OBS endpoint: set MA_S3_ENDPOINT or storage.endpoint in the job file")
+    if _has_control_character(endpoint):
+        raise ConfigError(f"MA_S3_ENDPOINT {ascii(endpoint)[:120]} contains a control character (a newline, tab "
+                          "or NUL)", hint="write the endpoint on one line", stage="stage-in")
     if "://" not in endpoint:
         endpoint = ("https://" if use_https else "http://") + endpoint
     return endpoint
@@ -380,8 +402,13 @@ def share_crc_tables() -> None:
     util.Crc64 = SharedCrc64
 
 
+def socket_timeout(retry_seconds: float) -> float:
+    """The timeout of each socket operation: the SDK's 60 s, but never past the retry budget."""
+    return max(MIN_TIMEOUT_SECONDS, min(float(TIMEOUT_SECONDS), retry_seconds))
+
+
 def new_client(spec, endpoint: str, access_key: str, secret_key: str, token: Optional[str],
-               masker: Masker) -> ObsClient:
+               masker: Masker, timeout: float = TIMEOUT_SECONDS) -> ObsClient:
     share_crc_tables()
     host = urlsplit(endpoint).hostname or ""
     try:
@@ -398,7 +425,7 @@ def new_client(spec, endpoint: str, access_key: str, secret_key: str, token: Opt
                 path_style=uses_path_style(spec.storage_path_style, host),
                 ssl_verify=spec.storage_verify_ssl,
                 max_retry_count=0,  # the transfer engine retries, with its own deadline
-                timeout=TIMEOUT_SECONDS,
+                timeout=timeout,
                 is_signature_negotiation=False,  # the configured signature, not an unauthenticated probe's
             )
     except Exception as exc:  # the SDK raises bare Exception for a malformed server
@@ -409,13 +436,22 @@ def new_client(spec, endpoint: str, access_key: str, secret_key: str, token: Opt
 
 
 def read_credentials(environ: Mapping[str, str]) -> Tuple[str, str, Optional[str]]:
-    """(access key, secret key, token or None); raises StorageError naming the missing variables only."""
+    """(access key, secret key, token or None); raises StorageError naming the missing variables only, and
+    ConfigError naming a variable whose value holds a control character (never the value)."""
     missing = [name for name in (ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE) if not environ.get(name)]
     if missing:
         raise StorageError(f"no OBS credentials: {' and '.join(missing)} not set",
                            hint=f"set {ACCESS_KEY_VARIABLE} and {SECRET_KEY_VARIABLE} (and {TOKEN_VARIABLE} for "
                                 "temporary credentials)")
+    for name in (ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE, TOKEN_VARIABLE):
+        if _has_control_character(environ.get(name) or ""):
+            raise ConfigError(f"{name} contains a control character (a newline, carriage return, tab or NUL)",
+                              hint=f"set {name} to the credential alone, on one line", stage="stage-in")
     return environ[ACCESS_KEY_VARIABLE], environ[SECRET_KEY_VARIABLE], environ.get(TOKEN_VARIABLE) or None
+
+
+def _has_control_character(value: str) -> bool:
+    return any(unicodedata.category(char) == "Cc" for char in value)
 
 
 def signing_region(configured: str, host: str) -> str:

@@ -1,33 +1,51 @@
 """The transfer engine: parallel, resumable, verified, atomic downloads and uploads over any ObjectStore.
 
 Downloads run on one bounded pool. Small objects go whole; large ones go as
-ranged parts written with `pwrite` into ONE preallocated hidden file next to
-the final path (`.<name>.ma-partial`), renamed into place when complete, so
-there is no second copy at the end (the OBS SDK's downloadFile copies its .tmp
-file over). Every file is checked (size; MD5 when the ETag is one) before the
-rename, so nothing incomplete or corrupt ever sits at a final path.
+ranged parts written with `pwrite` into ONE preallocated partial file, renamed
+into place when complete, so there is no second copy at the end (the OBS SDK's
+downloadFile copies its .tmp file over).
+
+Partial files live where no key can reach them: `<state_dir>/partial/`, outside
+the target tree, when that is on the destination's filesystem and mount (the
+rename must not cross either); otherwise `<destination root>/.ma-runtime-partial/`,
+a name every key is refused from producing (safety.py), removed once empty. A partial file is
+named by a digest of its target path: a fixed length, whatever the key, and no
+key's file can ever be another key's partial file. Before the rename, the file
+is checked by its descriptor: the path about to be renamed must still be that
+very file (same inode), and its size, and its MD5 when the ETag is one, are
+read back from it, not taken from the bytes as they were sent: what is renamed
+into place is what was verified. Every read names the version listed (its ETag):
+an object replaced mid-download fails with ObjectChanged instead of giving a
+file made of two versions.
 
 State lives in `options.state_dir`, outside the target tree:
 - `<id>.download.json` per large object: the parts already on disk, so a rerun
-  fetches only the missing ones;
+  fetches only the missing ones (a large object that failed before its first part
+  leaves neither record nor partial file);
 - `<id>.journal` per download: the ETag each finished file came from, so a
   rerun skips files already there unless the object changed;
 - `<id>.upload.json` per multipart upload: its upload id and finished parts.
+Every one is written through files.py: atomically, and never over something that
+is not a regular file.
 
 Every store call is retried on TransientError for `retry_seconds` (tenacity,
 imported only when a transfer starts: its ~30 ms belong to jobs that transfer).
+The budget is a deadline: no backoff wait runs past it. Failures name the store
+(its endpoint) once, at the engine's edge.
 """
 
 import dataclasses
 import errno
 import json
 import os
+import re
 import stat
 import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
+from ma_runtime.files import NotAFile, kind_of, open_append, write_atomically
 from ma_runtime.storage import safety
 from ma_runtime.storage.base import CorruptTransfer, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.progress import MB, Progress
@@ -35,10 +53,11 @@ from ma_runtime.storage.url import Location
 
 MiB = 1 << 20
 PARTIAL_SUFFIX = ".ma-partial"
+# The staging folder at a destination's root, when a rename from `<state_dir>/partial` cannot reach it.
+STAGING_NAME = ".ma-runtime-partial"
 HASH_CHUNK = 4 * MiB
 # Parts shrink towards this to keep every worker busy on a mid-sized object, never below it.
 MIN_PART = 8 * MiB
-NAME_MAX = 255
 JOURNAL_BATCH = 256  # journal lines written at a time
 # S3's multipart limits (OBS's are looser): parts of at least 5 MiB but the last, at most 10 000 parts.
 MIN_UPLOAD_PART = 5 * MiB
@@ -71,8 +90,9 @@ class Summary:
     files: int  # fetched by this run
     bytes: int  # moved by this run (a resumed file counts only its missing parts)
     skipped: int  # already at their final path, unchanged
-    refused: List[str]  # keys that would have been written outside the destination
+    refused: List[str]  # keys that were not written: outside the destination, unsafe, or in the way of others
     seconds: float
+    path: Optional[Path] = None  # the file or folder written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,18 +136,21 @@ class _Calls:
     def _retry(self, function, args, first_failure: TransientError, started: float):
         t = self._tenacity
         failures = [first_failure]
+        # The deadline counts from the first attempt, which may itself have taken a timeout's length.
+        deadline = started + self.seconds
 
         def attempt():  # attempt 1 is the call that already failed: tenacity logs it and waits first
             if failures:
                 raise failures.pop()
             return function(*args)
 
+        def wait(state) -> float:  # the backoff, cut so that the last wait ends at the deadline, not after
+            return min(self._wait(state), max(0.0, deadline - time.monotonic()))
+
         retrying = t.Retrying(
             retry=t.retry_if_exception_type(TransientError),
-            wait=self._wait,
-            # The deadline counts from the first attempt, which may itself have taken a timeout's length.
-            stop=t.stop_after_delay(max(0.0, self.seconds - (time.monotonic() - started)))
-            | t.stop_when_event_set(self.stop),
+            wait=wait,
+            stop=lambda state: time.monotonic() >= deadline or self.stop.is_set(),
             sleep=self.stop.wait,  # a wait that ends as soon as the transfer as a whole has failed
             before_sleep=self._log_retry,
             reraise=True,
@@ -151,36 +174,64 @@ class _Calls:
 # --------------------------------------------------------------------------- download
 
 
-def download(store, location: Location, dest: Path, options: TransferOptions, log) -> Summary:
-    """Fetches an object to the file `dest`, or every object under a prefix into the folder `dest`."""
+def download(store, location: Location, dest: Path, options: TransferOptions, log,
+             into_folder: bool = False) -> Summary:
+    """Fetches an object to the file `dest` (into the folder `dest`, under its own name, with `into_folder`),
+    or every object under a prefix into the folder `dest`."""
     started = time.monotonic()
     dest = Path(dest).absolute()
     calls = _Calls(options, log)
     try:
         objects, prefix = _find(store, location, calls)
-        if prefix is None:
-            items, refused = [_Item(objects[0], _object_url(location, objects[0].key), dest)], []
-            dest.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            items, refused = _plan_tree(objects, prefix, dest, location, log)
+        if prefix is None and into_folder:
+            dest = dest / location.last_part
+        root = dest.parent if prefix is None else dest
+        root.mkdir(parents=True, exist_ok=True)
         options.state_dir.mkdir(parents=True, exist_ok=True)
-        journal = _Journal(options.state_dir / f"{_digest(location.text, dest)}.journal")
-        todo = [item for item in items if not _already_there(item, journal)]
-        log.info("download started", url=location.text, dest=str(dest), files=len(todo),
-                 bytes=sum(item.info.size for item in todo), skipped=len(items) - len(todo), refused=len(refused))
+        staging = _Staging(options.state_dir, root)
         try:
-            moved = _Fetcher(store, location, options, journal, log).run(todo)
+            if prefix is None:
+                items, refused = _plan_object(objects[0], location, dest, staging)
+            else:
+                items, refused = _plan_tree(objects, prefix, dest, location, staging, log)
+            moved, todo = _fetch(store, location, dest, options, items, refused, staging, log)
         finally:
-            journal.close()
-        journal.compact({item.info.key for item in items})
+            staging.close()
+    except StorageError as exc:
+        raise _naming_the_store(exc, store, location) from exc
     except OSError as exc:  # the local side: disk full, permissions, a file where a folder must be
         raise StorageError(f"{location.text} -> {dest}: {_oserror_text(exc)}") from exc
     seconds = time.monotonic() - started
-    summary = Summary(len(todo), moved, len(items) - len(todo), refused, round(seconds, 3))
+    summary = Summary(len(todo), moved, len(items) - len(todo), refused, round(seconds, 3), dest)
     log.info("download completed", url=location.text, dest=str(dest), files=summary.files, bytes=moved,
              skipped=summary.skipped, refused=len(refused), seconds=summary.seconds,
              rate_mb_s=round(moved / MB / max(seconds, 1e-6), 1))
     return summary
+
+
+def _fetch(store, location: Location, dest: Path, options: TransferOptions, items: List[_Item], refused: List[str],
+           staging: "_Staging", log) -> Tuple[int, List[_Item]]:
+    """(bytes moved, items fetched): the items not already in place, on one pool."""
+    journal = _Journal(options.state_dir / f"{_digest(location.text, dest)}.journal")
+    todo = [item for item in items if not _already_there(item, journal)]
+    log.info("download started", url=location.text, dest=str(dest), files=len(todo),
+             bytes=sum(item.info.size for item in todo), skipped=len(items) - len(todo), refused=len(refused))
+    try:
+        moved = _Fetcher(store, location, options, journal, staging, log).run(todo)
+    finally:
+        journal.close()
+    journal.compact({item.info.key for item in items})
+    return moved, todo
+
+
+def _naming_the_store(exc: StorageError, store, location: Location) -> StorageError:
+    """The same failure, its message naming the store it talked to (the endpoint), once."""
+    if not location.remote:
+        return exc
+    where = store.describe()
+    if where in exc.reason:
+        return exc
+    return type(exc)(f"{exc.reason}; {where}", hint=exc.hint, stage=exc.stage)
 
 
 def _find(store, location: Location, calls: _Calls) -> Tuple[List[ObjectInfo], Optional[str]]:
@@ -198,9 +249,22 @@ def _find(store, location: Location, calls: _Calls) -> Tuple[List[ObjectInfo], O
     return objects, prefix
 
 
-def _plan_tree(objects, prefix: str, dest: Path, location: Location, log) -> Tuple[List[_Item], List[str]]:
+def _plan_object(info: ObjectInfo, location: Location, dest: Path,
+                 staging: "_Staging") -> Tuple[List[_Item], List[str]]:
+    """The single object's item; refused (and the download failed) when something other than a file,
+    or the engine's own files, sit at `dest`."""
+    destination = safety.Destination(staging.root.resolve(), staging.reserved)
+    path, reason = destination.place(dest.name)
+    if reason:
+        raise StorageError(f"{location.text} -> {dest}: {reason}", hint="remove what is in the way, or choose "
+                           "another path")
+    return [_Item(info, _object_url(location, info.key), destination.dest_real / path)], []
+
+
+def _plan_tree(objects, prefix: str, dest: Path, location: Location, staging: "_Staging",
+               log) -> Tuple[List[_Item], List[str]]:
     """Files to fetch under `dest`, and the keys refused; makes the folders (markers and parents)."""
-    destination = safety.Destination(dest.resolve())
+    destination = safety.Destination(dest.resolve(), staging.reserved)
     files: List[Tuple[ObjectInfo, str]] = []
     folders: List[str] = []
     refused: List[str] = []
@@ -209,20 +273,21 @@ def _plan_tree(objects, prefix: str, dest: Path, location: Location, log) -> Tup
         is_folder = info.key.endswith("/")
         if is_folder and not safety.normalized(relative):
             continue  # the prefix's own marker
-        reason = destination.refusal(relative)
+        # The path as resolved: two keys that reach one file through a symlink are one path here.
+        path, reason = destination.place(relative, folder=is_folder)
         if reason:
             _refuse(log, refused, location, info.key, reason)
         elif is_folder:
-            folders.append(safety.normalized(relative))
+            folders.append(path)
         else:
-            files.append((info, safety.normalized(relative)))
+            files.append((info, path))
     items = []
     for (info, path), reason in zip(files, safety.conflicts([path for _, path in files], folders)):
         if reason:
             _refuse(log, refused, location, info.key, reason)
         else:
-            items.append(_Item(info, _object_url(location, info.key), dest / path))
-    _make_folders(dest, folders, items)
+            items.append(_Item(info, _object_url(location, info.key), destination.dest_real / path))
+    _make_folders(destination.dest_real, folders, items)
     return items, refused
 
 
@@ -249,15 +314,87 @@ def _already_there(item: _Item, journal: "_Journal") -> bool:
     return not known or etag == item.info.etag
 
 
+class _Staging:
+    """The folder partial files are written in: on the destination's filesystem, where no key can reach."""
+
+    def __init__(self, state_dir: Path, root: Path):
+        self.root = root
+        outside = state_dir / "partial"
+        inside = root / STAGING_NAME
+        _make_private_folder(outside)
+        self.in_tree = not _rename_works_between(outside, root)
+        self.folder = inside if self.in_tree else outside
+        if self.in_tree:
+            _make_private_folder(inside)
+        # What keys may never name, wherever they resolve to: both folders, and the records.
+        self.reserved = (state_dir.resolve(), root.resolve() / STAGING_NAME)
+
+    def path(self, target: Path) -> str:
+        """The partial file of `target`: named by a digest of its path, a fixed length whatever the key."""
+        return os.path.join(self.folder, _digest(str(target)) + PARTIAL_SUFFIX)
+
+    def close(self) -> None:
+        """The in-tree folder goes once empty; what a resumable large file left stays for the rerun."""
+        if self.in_tree:
+            try:
+                os.rmdir(self.folder)
+            except OSError:
+                pass
+
+
+def _rename_works_between(one: Path, other: Path) -> bool:
+    """Same filesystem and same mount: two bind mounts of one filesystem (two Kubernetes emptyDirs) share
+    st_dev, yet a rename between them fails with EXDEV."""
+    if os.stat(one).st_dev != os.stat(other).st_dev:
+        return False
+    mounts = _mount_points()
+    return mounts is None or _mount_of(os.path.realpath(one), mounts) == _mount_of(os.path.realpath(other), mounts)
+
+
+def _mount_points() -> Optional[List[Tuple[str, str]]]:
+    """(mount id, mount point) of this process's mounts, in mount order; None where /proc says nothing."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as mountinfo:
+            lines = mountinfo.read().splitlines()
+    except OSError:
+        return None
+    mounts = []
+    for line in lines:
+        fields = line.split(b" ")
+        if len(fields) > 4:  # "id parent major:minor root mount-point ...", with octal escapes (\040 a space)
+            point = re.sub(rb"\\([0-7]{3})", lambda escape: bytes([int(escape.group(1), 8)]), fields[4])
+            mounts.append((fields[0].decode("ascii", "replace"), os.fsdecode(point)))
+    return mounts
+
+
+def _mount_of(path: str, mounts: List[Tuple[str, str]]) -> Optional[str]:
+    """The mount `path` is on: the deepest mount point above it, the last one mounted there."""
+    found, depth = None, -1
+    for mount_id, point in mounts:
+        inside = point == "/" or path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= depth:
+            found, depth = mount_id, len(point)
+    return found
+
+
+def _make_private_folder(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    mode = os.lstat(folder).st_mode
+    if not stat.S_ISDIR(mode):  # a symlink planted there would take the partial files elsewhere
+        raise NotAFile(folder, "a symlink" if stat.S_ISLNK(mode) else kind_of(mode))
+
+
 class _Fetcher:
     """Fetches items on one bounded pool: small ones whole, large ones as ranged parts."""
 
-    def __init__(self, store, location: Location, options: TransferOptions, journal: "_Journal", log):
+    def __init__(self, store, location: Location, options: TransferOptions, journal: "_Journal",
+                 staging: _Staging, log):
         self.store = store
         self.location = location
         self.bucket = location.bucket
         self.options = options
         self.journal = journal
+        self.staging = staging
         self.log = log
         self.calls = _Calls(options, log)
         self.progress: Optional[Progress] = None
@@ -288,45 +425,44 @@ class _Fetcher:
             self.pool.shutdown(wait=True, cancel_futures=True)
             for large in large_files:
                 large.close()
+                large.discard_if_unfinished()
             self.progress.stop()
         return self.progress.bytes_done
 
     def _fetch_small(self, item: _Item) -> None:
-        # The hot path of many small files: four file syscalls (open, write, close, rename), the MD5
-        # taken from the bytes as they are written, no stat. Each syscall is a GIL hand-off among
-        # the workers, and those hand-offs, not the bytes, are what small files cost.
+        # The hot path of many small files. Each syscall is a GIL hand-off among the workers, and
+        # those hand-offs, not the bytes, are what small files cost: open, write, then the checks
+        # of what is renamed (fstat, lstat, and one pread for the MD5), rename, close.
         target = str(item.target)
-        partial = _partial_path(target)
+        partial = self.staging.path(item.target)
         problem: Optional[Tuple[str, str]] = None
         for attempt in (1, 2):
             fd = _open_fresh(partial)
             placed = False
             try:
-                try:
-                    written, digest = self.calls(self._read_whole, item, fd)
-                finally:
-                    os.close(fd)
-                problem = _check(item.info, written, digest)
+                written = self.calls(self._read_whole, item, fd)
+                problem = _verify(fd, partial, item)
                 if problem is None:
                     os.replace(partial, target)
                     placed = True
-                    self.finished(item, written)
-                    return
-                self.progress.add(written)
             finally:
+                os.close(fd)
                 if not placed:
                     _remove(partial)
+            if placed:
+                self.finished(item, written)
+                return
+            self.progress.add(written)
             if attempt == 1:
                 self.log_refetch(item, problem)
         raise _corrupt(item, problem)
 
-    def _read_whole(self, item: _Item, fd: int) -> Tuple[int, Optional[str]]:
-        """(bytes written, their MD5 when the ETag is one); a retry starts both afresh."""
+    def _read_whole(self, item: _Item, fd: int) -> int:
+        """The bytes written; a retry starts afresh at offset 0."""
         if item.info.size == 0:
-            return 0, _EMPTY_MD5  # a zero-length range cannot be asked for
-        digest = _new_md5() if item.info.md5 else None
-        written = self.store.read_range(self.bucket, item.info.key, 0, item.info.size, fd, 0, digest, whole=True)
-        return written, digest.hexdigest() if digest is not None else None
+            return 0  # a zero-length range cannot be asked for
+        return self.store.read_range(self.bucket, item.info.key, 0, item.info.size, fd, 0, etag=item.info.etag,
+                                     whole=True)
 
     def finished(self, item: _Item, nbytes: int = 0) -> None:
         self.journal.add(item.info.key, item.info.etag)
@@ -355,13 +491,14 @@ class _LargeFile:
         self.part_size = _part_size(fetcher.options, item.info.size)
         self.parts = -(-item.info.size // self.part_size)
         self.hasher: Optional[_InOrderHash] = None
-        self.partial = _partial_path(item.target)
+        self.partial = fetcher.staging.path(item.target)
         self.record_path = fetcher.options.state_dir / f"{_digest(item.url, item.target)}.download.json"
         self.outcome = Future()
         self.lock = threading.Lock()
         self.fd: Optional[int] = None
         self.done: Set[int] = set()
         self.retried = False
+        self.placed = False
 
     def start(self):
         """Submits the missing parts; returns a Future that settles when the file is in place (or failed)."""
@@ -373,7 +510,8 @@ class _LargeFile:
         return self.outcome
 
     def _start_hasher(self) -> None:
-        """MD5 in part order while later parts download: no serial pass over the file at the end."""
+        """MD5 in part order while later parts download: no serial pass over the file at the end. It reads
+        the parts back from the file, so it checks what is on disk, not what was sent."""
         if not self.item.info.md5:
             return
         self.hasher = _InOrderHash(self.fd, self.part_size, self.parts, self.item.info.size)
@@ -388,6 +526,12 @@ class _LargeFile:
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
+
+    def discard_if_unfinished(self) -> None:
+        """After a failure: a file without a finished part has nothing to resume, so nothing of it stays."""
+        if not self.placed and not self.done:
+            _remove(self.partial)
+            _remove(self.record_path)
 
     def _record_identity(self) -> Dict[str, object]:
         info = self.item.info
@@ -457,16 +601,18 @@ class _LargeFile:
 
     def _read_part(self, index: int) -> None:
         start, length = index * self.part_size, self._length(index)
-        written = self.fetcher.store.read_range(self.fetcher.bucket, self.item.info.key, start, length, self.fd, start)
+        written = self.fetcher.store.read_range(self.fetcher.bucket, self.item.info.key, start, length, self.fd,
+                                                start, etag=self.item.info.etag)
         if written != length:
             raise TransientError(f"{self.item.url}: {written} of {length} bytes at offset {start}")
 
     def _finish(self) -> None:
         digest = self.hasher.result() if self.hasher is not None else None
-        problem = _problem(self.fd, self.item.info, digest=digest)
+        problem = _verify(self.fd, self.partial, self.item, digest)
         self.close()
         if problem is None:
             os.replace(self.partial, self.item.target)
+            self.placed = True
             _remove(self.record_path)
             self.fetcher.finished(self.item)
             self._settle()
@@ -474,6 +620,7 @@ class _LargeFile:
         # Corrupt bytes are not resumable: drop the partial file and its record either way.
         _remove(self.record_path)
         _remove(self.partial)
+        self.done = set()
         if self.retried:
             raise _corrupt(self.item, problem)
         self.retried = True
@@ -499,6 +646,8 @@ def upload_file(store, path: Path, location: Location, options: TransferOptions,
             info = calls(store.put_file, location.bucket, key, str(path))
         else:
             info = _Multipart(store, location.bucket, key, url, path, stats, options, log).run()
+    except StorageError as exc:
+        raise _naming_the_store(exc, store, location) from exc
     except OSError as exc:
         raise StorageError(f"{path} -> {url}: {_oserror_text(exc)}") from exc
     seconds = time.monotonic() - started
@@ -628,7 +777,7 @@ class _Journal:
     costs nothing but a check: a file at its final path with the right size and no journal line
     is taken as it is, as after a download by another tool; only a change of ETag at the same size
     goes unnoticed for those files. A torn last line is skipped on reading, and the next batch
-    starts on a line of its own. A store without ETags (local) writes no journal.
+    starts on a line of its own. A store without ETags writes no journal.
     """
 
     def __init__(self, path: Path):
@@ -636,15 +785,16 @@ class _Journal:
         self.lock = threading.Lock()
         self.fd: Optional[int] = None
         self.pending: List[str] = []
+        self.torn = False  # the file ends inside a line: the next batch starts on a new one
         self.etags = self._read()
 
     def _read(self) -> Dict[str, Optional[str]]:
         etags: Dict[str, Optional[str]] = {}
-        try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):
+        data = safety.read_regular(self.path)  # NotAFile (an OSError) for a FIFO or a folder there
+        if not data:
             return etags
-        for line in lines:
+        self.torn = not data.endswith(b"\n")
+        for line in data.decode("utf-8", "surrogateescape").splitlines():
             try:
                 entry = json.loads(line)
                 etags[entry["key"]] = entry["etag"]
@@ -671,15 +821,10 @@ class _Journal:
                         for key in self.pending)
         self.pending = []
         if self.fd is None:
-            self.fd = self._open()
+            self.fd = open_append(self.path)
+            if self.torn:
+                lines = "\n" + lines  # after a torn last line, so it does not swallow the next one
         os.write(self.fd, lines.encode("utf-8", "surrogateescape"))
-
-    def _open(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            os.write(fd, b"\n")  # after a torn last line, so it does not swallow the next one
-        return fd
 
     def close(self) -> None:
         """Writes what is pending and closes the file; on a full disk, the lines are lost, not the download."""
@@ -700,10 +845,8 @@ class _Journal:
             if not kept:
                 _remove(self.path)
                 return
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps({"key": k, "etag": e}, ensure_ascii=False) + "\n"
-                                   for k, e in kept.items()), encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_atomically(self.path, "".join(json.dumps({"key": k, "etag": e}, ensure_ascii=False) + "\n"
+                                                for k, e in kept.items()).encode("utf-8", "surrogateescape"))
 
 
 def _object_url(location: Location, key: str) -> str:
@@ -717,16 +860,6 @@ def _digest(*parts) -> str:
     import hashlib
 
     return hashlib.sha256("\0".join(str(part) for part in parts).encode("utf-8", "surrogateescape")).hexdigest()[:32]
-
-
-def _partial_path(target):
-    """Hidden, next to the target (same filesystem, so the final rename is atomic); a str for a str."""
-    folder, name = os.path.split(str(target))
-    partial = f".{name}{PARTIAL_SUFFIX}"
-    if len(partial.encode("utf-8", "surrogateescape")) > NAME_MAX:
-        partial = f".{_digest(name)}{PARTIAL_SUFFIX}"
-    joined = os.path.join(folder, partial)
-    return joined if isinstance(target, str) else Path(joined)
 
 
 def _open_fresh(path) -> int:
@@ -820,24 +953,25 @@ def _new_md5():
     return hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
 
 
-_EMPTY_MD5 = "d41d8cd98f00b204e9800998ecf8427e"
+def _verify(fd: int, partial: str, item: _Item, digest: Optional[str] = None) -> Optional[Tuple[str, str]]:
+    """(what, detail) wrong with the partial file about to be renamed into place, or None.
 
-
-def _check(info: ObjectInfo, written: int, digest: Optional[str]) -> Optional[Tuple[str, str]]:
-    """(what, detail) wrong with a small file from the bytes written and their MD5, or None."""
-    if written != info.size:
-        return "size mismatch", f"{written} bytes, expected {info.size}"
-    if info.md5 and digest != info.md5:
-        return "checksum mismatch", f"md5 {digest}, expected {info.md5}"
+    Read from the file itself (its descriptor): its size, then its MD5 when the ETag is one (`digest`,
+    when given, was read back from it already). The path to be renamed must still be that very file:
+    anything else there would be renamed into place unverified."""
+    stats = os.fstat(fd)
+    # The inode alone: overlayfs before Linux 4.19 gives a descriptor the upper layer's st_dev, and the path
+    # the overlay's, for one file; a file put in its place in the same folder has another inode either way.
+    if os.lstat(partial).st_ino != stats.st_ino:
+        raise StorageError(f"{item.url}: the partial file {partial} was replaced while it was written",
+                           hint="something else writes in the runtime's state folder")
+    if stats.st_size != item.info.size:
+        return "size mismatch", f"{stats.st_size} bytes, expected {item.info.size}"
+    if item.info.md5:
+        actual = digest or _md5(fd, stats.st_size)
+        if actual != item.info.md5:
+            return "checksum mismatch", f"md5 {actual}, expected {item.info.md5}"
     return None
-
-
-def _problem(fd: int, info: ObjectInfo, digest: Optional[str] = None) -> Optional[Tuple[str, str]]:
-    """(what, detail) wrong with a finished large partial file, or None: its size, then its MD5 when known."""
-    size = os.fstat(fd).st_size
-    if size != info.size:
-        return "size mismatch", f"{size} bytes, expected {info.size}"
-    return _check(info, size, digest or _md5(fd, size) if info.md5 else None)
 
 
 def _md5(fd: int, size: int) -> str:
@@ -853,23 +987,27 @@ def _md5(fd: int, size: int) -> str:
 
 
 def _read_json(path: Path) -> Optional[dict]:
+    """The record, or None: none yet, or torn (either way there is nothing to resume). NotAFile (an OSError)
+    when something else sits there."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # none yet, or torn: either way there is nothing to resume
+        data = json.loads(safety.read_regular(path) or b"null")
+    except ValueError:
+        return None
     return data if isinstance(data, dict) else None
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Atomic (temp file, then rename): a crash leaves the old record or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
+    """Atomic (files.py): a crash leaves the old record or the new one, never half of one."""
+    write_atomically(path, json.dumps(data, ensure_ascii=False))
 
 
-def _remove(path: Path) -> None:
+def _remove(path) -> None:
+    """Removes the runtime's own file (or a link left in its place) at `path`; whatever else sits there (a FIFO,
+    a folder) is not the runtime's to remove."""
     try:
-        os.unlink(path)
+        mode = os.lstat(path).st_mode
+        if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+            os.unlink(path)
     except FileNotFoundError:
         pass
 

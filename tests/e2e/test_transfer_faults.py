@@ -24,7 +24,7 @@ import pytest
 from ma_runtime import spec as job_spec
 from ma_runtime.storage import transfer
 from ma_runtime.storage import url as storage_url
-from ma_runtime.storage.base import StorageError, TransientError
+from ma_runtime.storage.base import TransientError
 from ma_runtime.storage.stores import open_store
 
 MiB = 1 << 20
@@ -215,9 +215,9 @@ def options(tmp_path, retry_seconds):
 
 
 def assert_nothing_wrong_at_final_paths(dest: Path, expected):
-    """Every visible file is complete and correct; only hidden partial files may be anything."""
+    """Every file in the tree is complete and correct: partial files live outside it."""
     for path in dest.rglob("*") if dest.exists() else []:
-        if path.is_file() and not path.name.endswith(transfer.PARTIAL_SUFFIX):
+        if not path.is_dir():
             relative = str(path.relative_to(dest))
             assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(expected[relative]).digest(), relative
 
@@ -294,15 +294,16 @@ def test_slow_responses_arrive_whole(proxy, obs_endpoint, seeded, tmp_path):
     assert summary.files == len(expected)
 
 
-def test_a_cut_listing_is_retried_or_fails_cleanly(proxy, obs_endpoint, seeded, tmp_path):
+def test_a_cut_listing_is_retried_and_the_files_arrive_whole(proxy, obs_endpoint, seeded, tmp_path):
     bucket, expected = seeded
     proxy.arm("cut", 1, ("GET",), objects_only=False, cut_bytes=400)  # the listing's GET: cut inside its XML
 
-    try:
-        download(proxy, obs_endpoint, tmp_path, bucket, retry_seconds=10)
-    except StorageError:
-        pass  # a clean failure is allowed; what follows is not negotiable
-    assert_nothing_wrong_at_final_paths(tmp_path / "dest", expected)
+    summary, log = download(proxy, obs_endpoint, tmp_path, bucket, retry_seconds=10)
+
+    assert proxy.spoiled == 1  # the fault was injected, into the first GET: the listing
+    assert ("warning", "storage request failed, retrying") in log.events
+    assert {p.name: p.read_bytes() for p in (tmp_path / "dest").iterdir()} == expected
+    assert (summary.files, summary.refused) == (len(expected), [])
 
 
 def test_faults_during_a_multipart_upload_are_retried(proxy, obs_endpoint, tmp_path):

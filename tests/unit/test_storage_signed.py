@@ -114,6 +114,7 @@ class _KeepAlive(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.server.seen.append(self.client_address[1])  # the client's port: one per connection
         self.server.ranges.append(self.headers.get("Range"))
+        self.server.if_match.append(self.headers.get("If-Match"))
         body = b"x" * 100_000
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -129,7 +130,7 @@ class _KeepAlive(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def keep_alive_server():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
-    server.seen, server.ranges, server.close_after_each = [], [], False
+    server.seen, server.ranges, server.if_match, server.close_after_each = [], [], [], False
     server.handle_error = lambda *args: None  # a client's reset is part of some tests, not news
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield server
@@ -197,7 +198,7 @@ def test_no_file_descriptor_leaks_over_many_requests(keep_alive_server):
 
 def test_a_whole_object_is_read_without_a_range_and_a_changed_size_is_caught(keep_alive_server, tmp_path):
     from ma_runtime import spec
-    from ma_runtime.storage.base import StorageError
+    from ma_runtime.storage.base import ObjectChanged
 
     environ = {"MA_S3_ENDPOINT": f"http://127.0.0.1:{keep_alive_server.server_address[1]}",
                "OBS_ACCESS_KEY_ID": "AK", "OBS_SECRET_ACCESS_KEY": "SK", "MA_HOME": str(tmp_path)}
@@ -206,8 +207,24 @@ def test_a_whole_object_is_read_without_a_range_and_a_changed_size_is_caught(kee
     try:
         assert store.read_range("b", "k", 0, 100_000, fd, 0, whole=True) == 100_000
         assert store.read_range("b", "k", 0, 10, fd, 0) == 10  # a part: asked for with a Range
-        with pytest.raises(StorageError, match="changed while it was downloaded"):
+        with pytest.raises(ObjectChanged, match="changed after it was listed"):
             store.read_range("b", "k", 0, 500, fd, 0, whole=True)  # listed at 500 bytes, 100 000 now
     finally:
         os.close(fd)
     assert keep_alive_server.ranges == [None, "bytes=0-9", None]
+
+
+def test_every_read_names_the_version_listed(keep_alive_server, tmp_path):
+    from ma_runtime import spec
+
+    environ = {"MA_S3_ENDPOINT": f"http://127.0.0.1:{keep_alive_server.server_address[1]}",
+               "OBS_ACCESS_KEY_ID": "AK", "OBS_SECRET_ACCESS_KEY": "SK", "MA_HOME": str(tmp_path)}
+    store = obs_module.ObsStore.from_settings(spec.load({}, environ), environ)
+    fd = os.open(tmp_path / "sink", os.O_RDWR | os.O_CREAT)
+    try:
+        store.read_range("b", "k", 0, 100_000, fd, 0, etag="abc-3", whole=True)
+        store.read_range("b", "k", 0, 10, fd, 0, etag="0123456789abcdef0123456789abcdef")
+        store.read_range("b", "k", 0, 10, fd, 0)
+    finally:
+        os.close(fd)
+    assert keep_alive_server.if_match == ['"abc-3"', '"0123456789abcdef0123456789abcdef"', None]

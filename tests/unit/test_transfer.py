@@ -26,7 +26,15 @@ import pytest
 from ma_runtime import spec as job_spec
 from ma_runtime.storage import safety, transfer
 from ma_runtime.storage import url as storage_url
-from ma_runtime.storage.base import AccessDenied, CorruptTransfer, NotFound, ObjectInfo, StorageError, TransientError
+from ma_runtime.storage.base import (
+    AccessDenied,
+    CorruptTransfer,
+    NotFound,
+    ObjectChanged,
+    ObjectInfo,
+    StorageError,
+    TransientError,
+)
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.progress import Progress, render_bar
 from ma_runtime.storage.stores import open_store
@@ -80,10 +88,10 @@ class CountingStore(Wrapper):
         self.parts = []  # upload part numbers
         self.creates = 0
 
-    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
+    def read_range(self, bucket, key, start, length, fd, offset, **kwargs):
         with self.lock:
             self.reads.append((key, start))
-        return self.inner.read_range(bucket, key, start, length, fd, offset, digest, whole=whole)
+        return self.inner.read_range(bucket, key, start, length, fd, offset, **kwargs)
 
     def upload_part(self, bucket, key, upload_id, number, path, offset, size):
         with self.lock:
@@ -102,26 +110,26 @@ class FailAfterReads(Wrapper):
         super().__init__(store)
         self.key, self.allowed, self.error = key, allowed, error
 
-    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
+    def read_range(self, bucket, key, start, length, fd, offset, **kwargs):
         if key == self.key:
             with self.lock:
                 self.allowed -= 1
                 exhausted = self.allowed < 0
             if exhausted:
                 raise self.error(f"injected failure reading {key} at {start}")
-        return self.inner.read_range(bucket, key, start, length, fd, offset, digest, whole=whole)
+        return self.inner.read_range(bucket, key, start, length, fd, offset, **kwargs)
 
 
 class FlippingStore(Wrapper):
-    """Flips one byte of what each of the first `times` reads of a key received (so also of what it hashed)."""
+    """Flips one byte of what each of the first `times` reads of a key wrote to the file."""
 
     def __init__(self, store, times=99):
         super().__init__(store)
         self.times = times
         self.flips = {}
 
-    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
-        count = self.inner.read_range(bucket, key, start, length, fd, offset, whole=whole)
+    def read_range(self, bucket, key, start, length, fd, offset, **kwargs):
+        count = self.inner.read_range(bucket, key, start, length, fd, offset, **kwargs)
         with self.lock:
             flip = self.flips.get(key, 0) < self.times and count > 0
             if flip:
@@ -129,13 +137,12 @@ class FlippingStore(Wrapper):
         if flip:
             byte = os.pread(fd, 1, offset)
             os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
-        if digest is not None:
-            digest.update(os.pread(fd, count, offset))
         return count
 
 
 class Md5LocalStore(LocalStore):
-    """LocalStore whose ObjectInfo carries the content MD5, as a single-part upload's ETag does."""
+    """LocalStore whose ObjectInfo carries the content MD5, as a single-part upload's ETag does (its reads then
+    check no version: the MD5 is not the local one)."""
 
     def list(self, bucket, prefix):
         for info in super().list(bucket, prefix):
@@ -145,9 +152,12 @@ class Md5LocalStore(LocalStore):
         info = super().head(bucket, key)
         return ObjectInfo(info.key, info.size, md5_of(Path(key)))
 
+    def read_range(self, *args, etag=None, **kwargs):
+        return super().read_range(*args, **kwargs)
+
 
 class MemoryStore:
-    """Objects in a dict, with any key S3 allows; ETags are MD5s."""
+    """Objects in a dict, with any key S3 allows; ETags are MD5s, checked on every read as If-Match does."""
 
     def __init__(self, objects):
         self.objects = dict(objects)
@@ -167,11 +177,11 @@ class MemoryStore:
             raise NotFound(f"memory://{key} not found")
         return self._info(key)
 
-    def read_range(self, bucket, key, start, length, fd, offset, digest=None, whole=False):
+    def read_range(self, bucket, key, start, length, fd, offset, etag=None, whole=False):
+        if etag is not None and etag != self._info(key).etag:
+            raise ObjectChanged(f"memory://{key} changed after it was listed")
         data = self.objects[key][start:start + length]
         os.pwrite(fd, data, offset)
-        if digest is not None:
-            digest.update(data)
         return len(data)
 
 
@@ -514,13 +524,28 @@ def test_a_symlink_at_the_partial_name_is_not_written_through(tmp_path):
     outside.write_bytes(b"original")
     dest = tmp_path / "dest"
     dest.mkdir()
-    (dest / ".f.txt.ma-partial").symlink_to(outside)
+    staging = tmp_path / "state" / "partial"
+    staging.mkdir(parents=True)
+    (staging / f"{transfer._digest(str(dest / 'f.txt'))}{transfer.PARTIAL_SUFFIX}").symlink_to(outside)
 
     transfer.download(MemoryStore({"p/f.txt": b"data"}), storage_url.parse("obs://b/p/"), dest, options(tmp_path),
                       Log())
 
     assert outside.read_bytes() == b"original"
     assert (dest / "f.txt").read_bytes() == b"data"
+
+
+def test_a_symlink_at_the_staging_folder_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "partial").symlink_to(elsewhere)
+
+    with pytest.raises(StorageError, match="a symlink is in the way"):
+        transfer.download(MemoryStore({"p/f.txt": b"data"}), storage_url.parse("obs://b/p/"), tmp_path / "dest",
+                          options(tmp_path), Log())
+
+    assert list(elsewhere.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- resume
@@ -540,7 +565,8 @@ def test_interrupted_large_download_resumes_with_only_the_missing_parts(any_stor
     assert not (dest / "big.bin").exists()
     (record_path,) = (tmp_path / "state").glob("*.download.json")
     done = json.loads(record_path.read_text())["done"]
-    assert 4 <= len(done) < 11 and (dest / ".big.bin.ma-partial").exists()
+    assert 4 <= len(done) < 11 and partials(dest) == []  # kept for the rerun, outside the tree
+    assert len(list((tmp_path / "state" / "partial").glob("*" + transfer.PARTIAL_SUFFIX))) == 1
     counting = CountingStore(any_store.store())
 
     summary = transfer.download(counting, _tree_location(any_store), dest, opts, Log())
