@@ -345,10 +345,9 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
         )
         base_env = {**_worker_env(spec, run_id), **staged.env}
         follower = _follow_rank_logs(plan, context)
-        workers = _spawn_all(plan, base_env, context)
-        exclude = (guard.pid,) if guard else ()
+        workers = _spawn_all(plan, base_env, context, guard)
         outcome = Supervisor(workers if len(workers) > 1 else workers[0], signals, spec.stop_grace_seconds, log,
-                             exclude).run()
+                             guard=guard).run()
     finally:
         signals.close()
         _ignore_stops()
@@ -361,9 +360,9 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
     return _finish(outcome, outcome.worker or workers[0], context, plan)
 
 
-def _spawn_all(plan, base_env: Mapping[str, str], context: _Context) -> List[Worker]:
+def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, guard=None) -> List[Worker]:
     """One process per planned worker; several get a rank prefix on the console and in the task log, and a
-    proc log of their own with their raw lines."""
+    proc log of their own with their raw lines. Each holds the guard's mark (`guard.pass_fds`)."""
     several = len(plan.workers) > 1
     # One Sink object per destination, shared by every worker: its lock keeps lines whole across ranks.
     stdout, stderr = Sink(1, "<stdout>"), logs.stderr_sink()
@@ -381,6 +380,7 @@ def _spawn_all(plan, base_env: Mapping[str, str], context: _Context) -> List[Wor
                 stderr_sinks=[stderr, task_log, *extra],
                 name=planned.name,
                 console_prefix=f"[{planned.name}] ".encode() if several else None,
+                pass_fds=guard.pass_fds if guard else (),
             ))
     except BaseException:
         for worker in workers:  # a later spawn failed: the ranks already started must not run alone

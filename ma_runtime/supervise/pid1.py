@@ -7,6 +7,8 @@
   the pids the supervisor tracks and discards the rest, so `Popen.wait` never
   races it for a status (we never call `Popen.wait`).
 - `die_with_parent`: the child half of PR_SET_PDEATHSIG.
+- `set_process_name`, `set_command_line`: the name and the command line a
+  forked helper (the guard) shows, so that nothing aimed at ma-run hits it.
 """
 
 import ctypes
@@ -15,7 +17,7 @@ import errno
 import os
 import select
 import signal
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -50,6 +52,29 @@ def become_subreaper() -> bool:
 
 def set_process_name(name: str) -> None:
     _prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def set_command_line(words: Sequence[str]) -> bool:
+    """Rewrites our own argv in place, as ps, `pkill -f` and /proc/self/cmdline see it.
+
+    A forked process keeps its parent's command line, and PR_SET_NAME changes
+    only the 15-byte name. The kernel reads the command line from the argument
+    area of our memory (/proc/self/stat fields 48 and 49): overwriting it there,
+    NUL-padded and cut to its size, costs nothing (setproctitle's way, without
+    the module). Python keeps its own copy of argv, so nothing else changes.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])
+    except (OSError, IndexError, ValueError):
+        return False
+    size = end - start
+    if start <= 0 or size <= 1:
+        return False
+    text = b"\0".join(word.encode() for word in words)[: size - 1]
+    ctypes.memmove(start, text.ljust(size, b"\0"), size)
+    return True
 
 
 def die_with_parent(parent_pid: int) -> None:

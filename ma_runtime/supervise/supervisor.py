@@ -2,23 +2,33 @@
 
 It supervises one worker or several (one per rank). With several, the first to
 fail (while no stop is under way) stops the others, and its status is the job's.
+
+Every SIGKILL it sends goes through worker.sweep (stop the tree, then kill it,
+until it is empty): the grace-over kill and the kill of leftovers alike, so a
+tree that forks faster than it is killed still ends. While the workers run, it
+records its descendants for the guard about once a second (one /proc scan, a
+millisecond or two), so that the guard still finds them if the runtime is
+SIGKILLed after they dropped every mark they inherited.
 """
 
 import dataclasses
 import os
 import signal
 import time
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 from ma_runtime.errors import exit_code_of_status
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
-from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, descendants, kill_all
+from ma_runtime.supervise.worker import SIGNAL_NAMES, Proc, Worker, descendants, kill_all, processes, sweep
 
 # Upper bound on one loop turn, in case a wake-up is ever lost.
 _TICK = 1.0
 _POLL = 0.02
 # How long to wait for SIGKILLed processes to vanish (D state can delay it).
 _KILL_WAIT = 5.0
+# How often the guard hears of new descendants: the cost of a /proc scan, against
+# the window in which a process that dropped every mark would escape the guard.
+_RECORD_EVERY = 1.0
 # How long output may keep flowing after every process is gone (a pipe held by
 # something outside our tree must not hang the exit).
 _OUTPUT_DRAIN = 2.0
@@ -64,6 +74,7 @@ class Supervisor:
         grace_seconds: float,
         log,
         exclude: Sequence[int] = (),
+        guard=None,  # a guard.Guard: told the workers' pipes and the tree as it grows
     ):
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:
@@ -73,13 +84,18 @@ class Supervisor:
         self.grace_seconds = grace_seconds
         self.log = log
         # Our own helpers (the guard) are children too, but never targets.
-        self.exclude = tuple(exclude)
+        self.exclude = tuple(exclude) + ((guard.pid,) if guard is not None else ())
+        self.guard = guard
         self._me = os.getpid()
+        self._next_record = 0.0
 
     def run(self) -> Outcome:
         started = time.monotonic()
         stop = _Stop()
+        if self.guard is not None:
+            self.guard.watch_pipes(inode for worker in self.workers for inode in worker.pipe_inodes)
         while self._live():
+            self._record_tree()
             for signum in self.signals.wait(self._timeout(stop)):
                 self._on_signal(stop, signum)
             for worker in self._reap():
@@ -149,7 +165,7 @@ class Supervisor:
                 "grace period over: killing the command and its descendants",
                 grace_seconds=self.grace_seconds,
             )
-            self._kill_tree(signal.SIGKILL)
+            self._kill_sweep()
             stop.forced, stop.deadline, stop.killed_at = True, None, now
         elif stop.killed_at is not None and now - stop.killed_at > _KILL_WAIT:
             # Uninterruptible sleep (a hung NFS or device): do not hang with it.
@@ -199,6 +215,26 @@ class Supervisor:
     def _tree(self) -> List[int]:
         return descendants(self._me, exclude=self.exclude)
 
+    def _members(self) -> Dict[int, Proc]:
+        table = processes()
+        return {pid: table[pid] for pid in descendants(self._me, self.exclude, table)}
+
+    def _record_tree(self) -> None:
+        """Tells the guard our descendants, at most once per _RECORD_EVERY."""
+        now = time.monotonic()
+        if self.guard is None or now < self._next_record:
+            return
+        self._next_record = now + _RECORD_EVERY
+        self.guard.record({pid: proc.start for pid, proc in self._members().items()})
+
+    def _kill_sweep(self, between=lambda: None) -> Dict[int, Proc]:
+        """SIGKILLs the whole tree, frozen first; returns what survived _KILL_WAIT."""
+        survivors = sweep(self._members, _KILL_WAIT, between)
+        # Exited leaders too: their groups may still hold processes outside our tree.
+        for worker in self.workers:
+            worker.signal_group(signal.SIGKILL)
+        return survivors
+
     def _kill_tree(self, signum: int) -> None:
         """Every worker's process group and every descendant, wherever its group."""
         # Exited leaders too: their groups may still hold processes outside our tree.
@@ -215,9 +251,10 @@ class Supervisor:
         self._kill_tree(signal.SIGTERM)
         if not self._wait_gone(self.grace_seconds):
             self.log.warning("processes outlived the grace period; killing them", grace_seconds=self.grace_seconds)
-            self._kill_tree(signal.SIGKILL)
-            if not self._wait_gone(_KILL_WAIT):
-                self.log.error("processes survived SIGKILL (uninterruptible sleep?)", pids=self._tree()[:20])
+            survivors = self._kill_sweep(self._reap)
+            if survivors:
+                self.log.error("processes survived SIGKILL (uninterruptible sleep?); exiting without them",
+                               count=len(survivors), pids=sorted(survivors)[:20])
         return len(leftovers)
 
     def _wait_gone(self, seconds: float) -> bool:

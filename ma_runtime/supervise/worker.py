@@ -5,19 +5,28 @@ import functools
 import os
 import signal
 import subprocess
-from typing import Dict, List, Mapping, Optional, Sequence
+import time
+from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence
 
 from ma_runtime.errors import CommandNotExecutable, CommandNotFound
 from ma_runtime.output import LinePump, Sink, SinkSpec
 from ma_runtime.supervise.pid1 import die_with_parent
 
+# States of a process that cannot run: stopped by a signal, or by a tracer.
+_STOPPED = ("T", "t")
+_FREEZE_PAUSE = 0.002
+_SWEEP_PAUSE = 0.01
+
 
 class Worker:
-    def __init__(self, popen: subprocess.Popen, pumps: List[LinePump], name: str):
+    def __init__(self, popen: subprocess.Popen, pumps: List[LinePump], name: str, pipe_inodes: Sequence[int] = ()):
         self.popen = popen
         self.pid = popen.pid
         self.pumps = pumps
         self.name = name
+        # Its stdout and stderr pipes: every descendant that did not redirect its
+        # output holds their write ends, which is how the guard knows it.
+        self.pipe_inodes = tuple(pipe_inodes)
         self.returncode: Optional[int] = None
 
     def exited(self, returncode: int) -> None:
@@ -50,14 +59,17 @@ def spawn(
     name: str = "worker",
     *,
     console_prefix: Optional[bytes] = None,
+    pass_fds: Sequence[int] = (),
 ) -> Worker:
     """Starts `argv` as the leader of a new session; raises CommandNotFound/NotExecutable.
 
     With `console_prefix` (e.g. b"[rank 3] "), every line sent to a console sink
     (`Sink.console`) starts with it; the other sinks (a log file) get raw lines.
+    `pass_fds` stay open in the command (the guard's mark, `Guard.pass_fds`).
     """
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    pipe_inodes = (os.fstat(out_r).st_ino, os.fstat(err_r).st_ino)
     try:
         popen = subprocess.Popen(
             list(argv),
@@ -69,6 +81,7 @@ def spawn(
             # worker reading the terminal is not stopped by job control.
             start_new_session=True,
             preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            pass_fds=tuple(pass_fds),
         )
     except OSError as exc:
         for fd in (out_r, err_r):
@@ -83,7 +96,7 @@ def spawn(
     ]
     for pump in pumps:
         pump.start()
-    return Worker(popen, pumps, name)
+    return Worker(popen, pumps, name, pipe_inodes)
 
 
 def _with_prefix(sinks: Sequence[Sink], prefix: Optional[bytes]) -> List[SinkSpec]:
@@ -108,48 +121,114 @@ def _exec_failure(argv: Sequence[str], cwd: Optional[str], exc: OSError):
     )
 
 
-def descendants(root: int, exclude: Sequence[int] = ()) -> List[int]:
-    """Living (non-zombie) descendants of `root`, read from /proc.
+class Proc(NamedTuple):
+    """One line of the process table."""
+
+    state: str  # R, S, D, T, ... (zombies never appear)
+    ppid: int
+    start: int  # clock ticks after boot: with the pid, names one process for good (pids are reused)
+
+
+def processes() -> Dict[int, Proc]:
+    """Every living (non-zombie) process, read from /proc.
 
     A scan of /proc/*/stat costs a millisecond or two, less than importing
-    psutil (~30 ms), and this runs at every exit.
+    psutil (~30 ms), and this runs at every exit and once a second meanwhile.
     """
-    children: Dict[int, List[int]] = {}
+    table: Dict[int, Proc] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        stat = _stat(entry)
-        if stat is None or stat[0] == "Z":
-            continue
-        children.setdefault(stat[1], []).append(int(entry))
+        proc = _stat(entry)
+        if proc is not None and proc.state not in ("Z", "X"):
+            table[int(entry)] = proc
+    return table
+
+
+def descendants(root: int, exclude: Sequence[int] = (), table: Optional[Dict[int, Proc]] = None) -> List[int]:
+    """Living descendants of `root`; the `exclude`d and theirs are left out."""
+    return family([root], exclude, processes() if table is None else table)
+
+
+def family(roots: Iterable[int], exclude: Sequence[int], table: Dict[int, Proc]) -> List[int]:
+    """Descendants of every root (not the roots themselves), each once."""
+    children: Dict[int, List[int]] = {}
+    for pid, proc in table.items():
+        children.setdefault(proc.ppid, []).append(pid)
     found: List[int] = []
-    todo = [root]
+    seen = set(roots)
+    todo = list(roots)
     while todo:
         for child in children.get(todo.pop(), ()):
-            if child not in exclude:
+            if child not in exclude and child not in seen:
+                seen.add(child)
                 found.append(child)
                 todo.append(child)
     return found
 
 
-def _stat(pid: str):
-    """(state, ppid) of a process, or None if it is gone."""
+def _stat(pid: str) -> Optional[Proc]:
+    """The process's line of the table, or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
-    # comm may contain spaces and parentheses: the fields start after the last ')'.
+    # comm may contain spaces and parentheses: the fields start after the last ')'
+    # (field 3, state); field 22, the start time, is the 20th.
     fields = data[data.rfind(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[1])
+    try:
+        return Proc(fields[0].decode(), int(fields[1]), int(fields[19]))
+    except (IndexError, ValueError):
+        return None
 
 
-def kill_all(pids: Sequence[int], signum: int) -> None:
+def kill_all(pids: Iterable[int], signum: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def sweep(members: Callable[[], Dict[int, Proc]], seconds: float,
+          between: Callable[[], object] = lambda: None) -> Dict[int, Proc]:
+    """Stops every member, then SIGKILLs them all, again until none is left or `seconds` pass.
+
+    SIGKILL sent to a snapshot misses what the members fork meanwhile, and a
+    tree that forks faster than it is killed outlives any number of passes. A
+    stopped process cannot fork, so the tree is frozen first (SIGSTOP, and scan
+    again until every member is stopped and none is new), then killed at once.
+    `between` runs after each pass (the supervisor reaps there). Returns the
+    members still there at the deadline: processes in uninterruptible sleep (a
+    hung device or NFS mount) that even SIGKILL cannot end yet.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        found = _freeze(members, deadline)
+        if not found:
+            return found
+        kill_all(found, signal.SIGKILL)
+        between()
+        if time.monotonic() >= deadline:
+            return members()
+        time.sleep(_SWEEP_PAUSE)  # the killed leave the table; a pass over them again would be wasted
+
+
+def _freeze(members: Callable[[], Dict[int, Proc]], deadline: float) -> Dict[int, Proc]:
+    """The members, once none of them can fork any more (or at the deadline)."""
+    found: Dict[int, Proc] = {}
+    while True:
+        previous, found = found, members()
+        # A process becomes T only after it has finished a fork under way; one
+        # in D (uninterruptible) that was sent SIGSTOP a scan ago stops as soon
+        # as it leaves D, and what it forked on the way is caught by the next pass.
+        running = [pid for pid, proc in found.items()
+                   if proc.state not in _STOPPED and not (proc.state == "D" and pid in previous)]
+        if (not running and found.keys() <= previous.keys()) or time.monotonic() >= deadline:
+            return found
+        kill_all(running, signal.SIGSTOP)
+        time.sleep(_FREEZE_PAUSE)  # let them reach the stop before looking again
 
 
 SIGNAL_NAMES = {int(s): s.name for s in signal.Signals}
