@@ -1,26 +1,42 @@
-"""Console forwarding throughput of `ma-run`, measured against a direct write.
+"""Console forwarding through `ma-run`: lines/s and the supervisor's CPU per line, against a direct write.
 
-A writer script prints N short lines (`line 0000001` ... , default N = 10**6)
-as fast as Python can, in large buffered batches. It runs three ways, each
-with its stdout going to a file:
+A writer prints N short lines (`line 0000001` ...) in three ways:
+
+  batched   10 000 lines per write(), as fast as it can (default N = 10**6): the most a pipe carries
+  per-line  one os.write() per line, as fast as it can (default N = 200 000): the supervisor lags,
+            so each of its reads still finds many lines
+  paced     one os.write() per line at a steady rate (default 20 000 lines at 5 000 lines/s, one
+            chatty rank): each line arrives on its own, as a training script's prints do, so each
+            costs the supervisor a wake-up, a read and the writes of its own
+
+and each runs three ways, its stdout going to a file:
 
   direct   python writer.py > file             (the anchor: no supervisor)
   tini     tini -- python writer.py > file      (a C init, nothing copied)
-  ma-run   ma-run -- python writer.py > file    (pumped line-wise to stdout
-                                                 AND appended to the task log)
+  ma-run   ma-run -- python writer.py > file    (pumped line-wise to stdout AND appended to the
+                                                 task log)
 
-Lines/s is N over the whole wall time of the run (interpreter and supervisor
-start-up included), timed with time.perf_counter around subprocess.run. The
-modes run round-robin, K times each (default 3); the table reports the MEDIAN
-of the K runs (the best is kept too). Budget: at least 200 000 lines/s through
-ma-run.
+Lines/s is N over the whole wall time of the run (interpreter and supervisor start-up included).
+CPU per line is the supervisor's own CPU (utime + stime of the ma-run or tini process, all its
+threads, read from /proc while it is a zombie, so complete and without the writer's) per line
+forwarded: for ma-run, less the CPU of a run whose writer prints nothing (an "idle" row, in the
+same round), so that its start-up (imports, preflight) is not spread over the lines; for the paced
+case that writer prints nothing for as long as the paced writer runs, so that what ma-run spends
+merely waiting is not counted as forwarding either. The writer's
+CPU per line is given beside it. At one write() per line the supervisor reads and copies each
+line on its own: "paced" is the case that shows what forwarding costs a job.
+
+All six runs go round-robin (benchmarks/_harness.py): min/median/max over the rounds, the load
+average beside each row, and ma-run / direct per round and of the medians. Budget: at least
+200 000 lines/s through ma-run (reported for batched and per-line; paced runs at its pace; the
+script never fails on it).
 
 Every run is also checked: the output file, and for ma-run the task log at
-$MA_HOME/modelarts/log/modelarts-job-local-worker-0.log (fresh MA_HOME each
-run), must hold all N writer lines, exactly once, in order. The task log also
-carries ma-run's own log lines; those are counted separately, not as errors.
+$MA_HOME/modelarts/log/modelarts-job-local-worker-0.log (fresh MA_HOME each run), must hold all
+N writer lines, exactly once, in order. ma-run's own log lines are counted apart, not as errors.
 
-    .venv/bin/python benchmarks/forwarding.py [--lines N] [--repeat K] [--json FILE]
+    .venv/bin/python benchmarks/forwarding.py [--lines 1000000] [--per-line-lines 200000] [--paced-lines 20000]
+        [--paced-rate 5000] [--rounds 5] [--json FILE]
 """
 
 import argparse
@@ -28,35 +44,76 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402  (beside this script, not a package)
 
 BUDGET_LINES_PER_S = 200_000
 TASK_LOG = os.path.join("modelarts", "log", "modelarts-job-local-worker-0.log")
 LINE_PREFIX = b"line "
+CASES = ("batched", "per-line", "paced")
+UNPACED = ("batched", "per-line")  # the cases the lines/s budget is about
+# Idle rows: ma-run around a writer that prints nothing, at once or for as long as the paced writer.
+IDLE_ROWS = {"batched": "idle ma-run", "per-line": "idle ma-run", "paced": "idle ma-run, paced length"}
+MODES = ("direct", "tini", "ma-run")
+# For scale: 8 workers printing 5 000 lines/s each, through one ma-run.
+PROJECTED_LINES_PER_S = 8 * 5_000
 
 WRITER_SOURCE = """\
+import os
 import sys
+import time
 
-def main(count, width, batch=10_000):
+
+def batched(count, width, batch=10_000):
     write = sys.stdout.write
     for start in range(1, count + 1, batch):
         stop = min(start + batch, count + 1)
         write("".join(f"line {i:0{width}d}\\n" for i in range(start, stop)))
     sys.stdout.flush()
 
-main(int(sys.argv[1]), int(sys.argv[2]))
+
+def per_line(count, width):
+    write = os.write
+    for i in range(1, count + 1):
+        write(1, b"line %0*d\\n" % (width, i))
+
+
+def paced(count, width, rate):
+    write, sleep, clock = os.write, time.sleep, time.monotonic
+    gap = 1.0 / rate
+    start = clock()
+    for i in range(1, count + 1):
+        write(1, b"line %0*d\\n" % (width, i))
+        delay = start + i * gap - clock()
+        if delay > 0:
+            sleep(delay)
+
+
+case, count, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if case == "paced":
+    paced(count, width, float(sys.argv[4]))
+elif case == "silent":
+    time.sleep(float(sys.argv[4]))
+else:
+    {"batched": batched, "per-line": per_line}[case](count, width)
 """
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lines", type=int, default=10**6, help="lines the writer prints (default 10**6)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per mode; median reported (default 3)")
+    parser.add_argument("--lines", type=int, default=10**6, help="lines of the batched writer (default 10**6)")
+    parser.add_argument("--per-line-lines", type=int, default=200_000,
+                        help="lines of the one-write-per-line writer (default 200 000)")
+    parser.add_argument("--paced-lines", type=int, default=20_000, help="lines of the paced writer (default 20 000)")
+    parser.add_argument("--paced-rate", type=float, default=5_000,
+                        help="lines/s of the paced writer, one write() each (default 5 000)")
+    harness.add_round_arguments(parser, rounds=5, warmup=0, aliases=("--repeat",))
     parser.add_argument("--ma-run", default=default_ma_run(), help="ma-run executable (default: next to this python)")
     parser.add_argument("--tini", default=shutil.which("tini") or "/usr/bin/tini", help="tini executable")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
@@ -77,28 +134,33 @@ def expected_output(count: int) -> bytes:
     return "".join(f"line {i:0{width}d}\n" for i in range(1, count + 1)).encode()
 
 
-def mode_commands(writer_cmd: List[str], ma_run: str, tini: str) -> Dict[str, List[str]]:
-    return {
-        "direct": writer_cmd,
-        "tini": [tini, "--", *writer_cmd],
-        "ma-run": [ma_run, "--", *writer_cmd],
-    }
+def writer_command(writer: str, case: str, count: int, rate: float = 0.0) -> List[str]:
+    pace = [repr(rate)] if case == "paced" else []
+    return [sys.executable, writer, case, str(count), str(number_width(count)), *pace]
 
 
-def run_to_file(cmd: List[str], run_dir: str) -> Dict[str, object]:
-    """Runs cmd with stdout to run_dir/stdout and MA_HOME=run_dir; times it."""
+def mode_command(mode: str, writer_cmd: List[str], ma_run: str, tini: str) -> List[str]:
+    return {"direct": writer_cmd, "tini": [tini, "--", *writer_cmd], "ma-run": [ma_run, "--", *writer_cmd]}[mode]
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def run_to_file(cmd: List[str], run_dir: str) -> Dict[str, Any]:
+    """Runs cmd with stdout to run_dir/stdout and MA_HOME=run_dir; wall time and CPU of the process started."""
     env = dict(os.environ, MA_HOME=run_dir)
-    stdout_path = os.path.join(run_dir, "stdout")
-    stderr_path = os.path.join(run_dir, "stderr")
+    stdout_path, stderr_path = os.path.join(run_dir, "stdout"), os.path.join(run_dir, "stderr")
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         start = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=out, stderr=err, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        returncode, own_cpu, reaped_cpu = harness.wait_with_cpu(proc)
         elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
+    if returncode != 0:
         with open(stderr_path, "rb") as err:
             sys.stderr.write(err.read().decode(errors="replace"))
-        sys.exit(f"{cmd!r} exited {proc.returncode}")
-    return {"seconds": elapsed, "stdout": stdout_path, "task_log": os.path.join(run_dir, TASK_LOG)}
+        sys.exit(f"{cmd!r} exited {returncode}")
+    return {"seconds": elapsed, "own_cpu_s": own_cpu, "reaped_cpu_s": reaped_cpu, "stdout": stdout_path,
+            "task_log": os.path.join(run_dir, TASK_LOG)}
 
 
 def read_bytes(path: str) -> Optional[bytes]:
@@ -109,7 +171,7 @@ def read_bytes(path: str) -> Optional[bytes]:
         return None
 
 
-def check_lines(data: Optional[bytes], count: int, expected: bytes) -> Dict[str, object]:
+def check_lines(data: Optional[bytes], count: int, expected: bytes) -> Dict[str, Any]:
     """Counts writer lines lost, duplicated, malformed or out of order in data."""
     if data is None:
         return {"present": False, "writer_lines": 0, "lost": count, "other_lines": 0, "exact": False}
@@ -123,7 +185,7 @@ def check_lines(data: Optional[bytes], count: int, expected: bytes) -> Dict[str,
     return dict(present=True, other_lines=other_lines, exact=False, **damage_report(writer_lines, count))
 
 
-def damage_report(writer_lines: List[bytes], count: int) -> Dict[str, object]:
+def damage_report(writer_lines: List[bytes], count: int) -> Dict[str, Any]:
     width = number_width(count)
     numbers = [parse_number(line, width) for line in writer_lines]
     valid = [n for n in numbers if n is not None and 1 <= n <= count]
@@ -144,113 +206,185 @@ def parse_number(line: bytes, width: int) -> Optional[int]:
     return int(digits) if len(digits) == width and digits.isdigit() else None
 
 
-def check_run(mode: str, run: Dict[str, object], count: int, expected: bytes) -> Dict[str, object]:
-    checks = {"stdout": check_lines(read_bytes(run["stdout"]), count, expected)}
-    if mode == "ma-run":
-        checks["task_log"] = check_lines(read_bytes(run["task_log"]), count, expected)
-    return checks
+def cpu_split(mode: str, run: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """(supervisor CPU, writer CPU) of a run: direct has no supervisor, the writer is the process itself."""
+    if mode == "direct":
+        return {"supervisor_cpu_s": None, "writer_cpu_s": run["own_cpu_s"]}
+    # The supervisor's reaped children are the writer (and, for ma-run, its guard, which idles).
+    return {"supervisor_cpu_s": run["own_cpu_s"], "writer_cpu_s": run["reaped_cpu_s"]}
 
 
-def writer_command(writer: str, count: int) -> List[str]:
-    return [sys.executable, writer, str(count), str(number_width(count))]
-
-
-def warm_up(commands: Dict[str, List[str]], scratch: str) -> None:
-    """One small untimed run per mode: page cache, imports, first-run costs."""
-    for cmd in commands.values():
-        run_dir = tempfile.mkdtemp(prefix="warmup-", dir=scratch)
-        run_to_file(cmd, run_dir)
+def measured_run(mode: str, cmd: List[str], count: int, expected: bytes, scratch: str) -> Dict[str, Any]:
+    run_dir = tempfile.mkdtemp(prefix=f"{mode}-", dir=scratch)
+    try:
+        run = run_to_file(cmd, run_dir)
+        checks = {"stdout": check_lines(read_bytes(run["stdout"]), count, expected)}
+        if mode == "ma-run":
+            checks["task_log"] = check_lines(read_bytes(run["task_log"]), count, expected)
+    finally:
         shutil.rmtree(run_dir)
+    return {"seconds": run["seconds"], "lines": count, **cpu_split(mode, run), "checks": checks}
 
 
-def run_rounds(commands: Dict[str, List[str]], count: int, repeat: int, scratch: str) -> Dict[str, List[dict]]:
-    """Round-robin over the modes, repeat rounds, each run checked line by line."""
-    expected = expected_output(count)
-    runs: Dict[str, List[dict]] = {mode: [] for mode in commands}
-    for _ in range(repeat):
-        for mode, cmd in commands.items():
-            run_dir = tempfile.mkdtemp(prefix=f"{mode}-", dir=scratch)
-            run = run_to_file(cmd, run_dir)
-            runs[mode].append({"seconds": run["seconds"], "checks": check_run(mode, run, count, expected)})
-            shutil.rmtree(run_dir)
-    return runs
+def tasks(writer: str, counts: Dict[str, int], rate: float, ma_run: str, tini: str, scratch: str):
+    expected = {case: expected_output(count) for case, count in counts.items()}
+
+    def task(case: str, mode: str):
+        cmd = mode_command(mode, writer_command(writer, case, counts[case], rate), ma_run, tini)
+        return lambda: measured_run(mode, cmd, counts[case], expected[case], scratch)
+
+    def idle(seconds: float):
+        cmd = mode_command("ma-run", [sys.executable, writer, "silent", "0", "6", repr(seconds)], ma_run, tini)
+        return lambda: idle_run(cmd, scratch)
+
+    measured = {f"{case} {mode}": task(case, mode) for case in CASES for mode in MODES}
+    return {**measured, IDLE_ROWS["batched"]: idle(0.0), IDLE_ROWS["paced"]: idle(counts["paced"] / rate)}
 
 
-def mode_summary(mode_runs: List[dict], count: int) -> Dict[str, object]:
-    seconds = [run["seconds"] for run in mode_runs]
-    lost = {dest: max(run["checks"][dest]["lost"] for run in mode_runs) for dest in mode_runs[0]["checks"]}
+def idle_run(cmd: List[str], scratch: str) -> Dict[str, Any]:
+    """ma-run around a writer that prints nothing: its start-up and teardown CPU."""
+    run_dir = tempfile.mkdtemp(prefix="idle-", dir=scratch)
+    try:
+        run = run_to_file(cmd, run_dir)
+    finally:
+        shutil.rmtree(run_dir)
+    return {"seconds": run["seconds"], "lines": 0, **cpu_split("ma-run", run)}
+
+
+def subtract_idle(samples: Dict[str, List[harness.Sample]]) -> None:
+    """Gives each ma-run sample its idle run's CPU of the same round (idle_cpu_s)."""
+    for case in CASES:
+        idle = {sample.round: sample.result["supervisor_cpu_s"] for sample in samples[IDLE_ROWS[case]]}
+        for sample in samples[f"{case} ma-run"]:
+            sample.result["idle_cpu_s"] = idle.get(sample.round)
+
+
+def warm_up(writer: str, rate: float, ma_run: str, tini: str, scratch: str) -> None:
+    """One small untimed run per mode and case: page cache, imports, first-run costs."""
+    for case in CASES:
+        for mode in MODES:
+            measured_run(mode, mode_command(mode, writer_command(writer, case, 100, rate), ma_run, tini), 100,
+                         expected_output(100), scratch)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def lines_per_s(result: Dict[str, Any]) -> float:
+    return result["lines"] / result["seconds"]
+
+
+def supervisor_us_per_line(result: Dict[str, Any]) -> Optional[float]:
+    """The supervisor's CPU per line; for ma-run, beyond what it spends with nothing to forward."""
+    cpu, idle = result["supervisor_cpu_s"], result.get("idle_cpu_s")
+    if cpu is None:
+        return None
+    return (cpu - (idle or 0.0)) / result["lines"] * 1e6
+
+
+def idle_ms(result: Dict[str, Any]) -> Optional[float]:
+    return result["supervisor_cpu_s"] * 1e3
+
+
+def writer_us_per_line(result: Dict[str, Any]) -> Optional[float]:
+    cpu = result["writer_cpu_s"]
+    return None if cpu is None else cpu / result["lines"] * 1e6
+
+
+def supervisor_core_pct(result: Dict[str, Any]) -> Optional[float]:
+    cpu = result["supervisor_cpu_s"]
+    return None if cpu is None else 100 * cpu / result["seconds"]
+
+
+def report_case(case: str, count: int, rate: float, samples: Dict[str, List[harness.Sample]]) -> Dict[str, Any]:
+    rows = {mode: samples[f"{case} {mode}"] for mode in MODES}
+    rates = {mode: harness.summarize(rows[mode], lines_per_s) for mode in MODES}
+    cpu = {mode: harness.summarize(rows[mode], supervisor_us_per_line) for mode in MODES if mode != "direct"}
+    writer_cpu = {mode: harness.summarize(rows[mode], writer_us_per_line) for mode in MODES}
+    busy = {mode: harness.summarize(rows[mode], supervisor_core_pct) for mode in MODES if mode != "direct"}
+    how = {"batched": "10 000 lines per write()", "per-line": "one write() per line, as fast as it can",
+           "paced": f"one write() per line at {rate:,.0f} lines/s"}[case]
+    title = f"{case}: {count:,} lines ({how})"
+    harness.print_table(f"{title}, lines/s", list(rates.items()), "lines/s", digits=0)
+    harness.print_table(f"{case}: the supervisor's own CPU per line (utime+stime of ma-run / tini; ma-run's "
+                        "less its idle run's)", list(cpu.items()), "µs/line", digits=2)
+    harness.print_table(f"{case}: the supervisor's CPU while running, % of one core", list(busy.items()), "%",
+                        digits=0)
+    harness.print_table(f"{case}: the writer's own CPU per line", list(writer_cpu.items()), "µs/line", digits=2)
+    versus_direct = harness.compare(rows["ma-run"], rows["direct"], harness.ratio, lines_per_s)
+    ma_rate = rates["ma-run"].median
+    print(f"\n  {case}: ma-run / direct, lines/s: {harness.comparison_text(versus_direct)}")
+    if case in UNPACED:
+        print(f"  {case}: ma-run {ma_rate:,.0f} lines/s (median), budget >= {BUDGET_LINES_PER_S:,}: "
+              f"{harness.verdict(ma_rate >= BUDGET_LINES_PER_S)}")
+    else:
+        print(f"  {case}: ma-run kept {ma_rate:,.0f} lines/s (median) of the {rate:,.0f} asked")
+    per_line = cpu["ma-run"].median
+    print(f"  {case}: ma-run spends {per_line:.2f} µs of CPU per line (median): at {PROJECTED_LINES_PER_S:,} lines/s "
+          f"(8 workers x 5 000) that is {per_line * PROJECTED_LINES_PER_S / 1e4:.0f} % of a core")
+    damage = print_damage(case, rows)
     return {
-        "median_s": statistics.median(seconds),
-        "median_lines_per_s": count / statistics.median(seconds),
-        "best_lines_per_s": count / min(seconds),
-        "worst_lost": lost,
-        "all_exact": all(check["exact"] for run in mode_runs for check in run["checks"].values()),
+        "lines": count,
+        "lines_per_s": {mode: row.as_dict() for mode, row in rates.items()},
+        "supervisor_us_per_line": {mode: row.as_dict() for mode, row in cpu.items()},
+        "supervisor_core_pct": {mode: row.as_dict() for mode, row in busy.items()},
+        "writer_us_per_line": {mode: row.as_dict() for mode, row in writer_cpu.items()},
+        "ma_run_over_direct": versus_direct.as_dict(),
+        "budget_lines_per_s": BUDGET_LINES_PER_S if case in UNPACED else None,
+        "meets_budget": ma_rate >= BUDGET_LINES_PER_S if case in UNPACED else None,
+        "damaged_runs": damage,
     }
 
 
-def print_table(summaries: Dict[str, Dict[str, object]], count: int, repeat: int) -> None:
-    print(f"forwarding {count} lines, median of {repeat} runs per mode, round-robin, {os.cpu_count()} CPUs\n")
-    print(f"  {'mode':<8} {'median s':>9} {'lines/s (median)':>17} {'lines/s (best)':>15}  in order")
-    for mode, row in summaries.items():
-        exact = "yes" if row["all_exact"] else "NO"
-        print(
-            f"  {mode:<8} {row['median_s']:>9.3f} {row['median_lines_per_s']:>17,.0f}"
-            f" {row['best_lines_per_s']:>15,.0f}  {exact}"
-        )
-
-
-def print_verdict(summaries: Dict[str, Dict[str, object]], runs: Dict[str, List[dict]]) -> Dict[str, object]:
-    ma_run = summaries["ma-run"]
-    ratio = ma_run["median_lines_per_s"] / summaries["direct"]["median_lines_per_s"]
-    status = "meets" if ma_run["median_lines_per_s"] >= BUDGET_LINES_PER_S else "BELOW"
-    print(f"\n  ma-run / direct: {ratio:.2f}x")
-    print(f"  ma-run: {ma_run['median_lines_per_s']:,.0f} lines/s ({status} budget of {BUDGET_LINES_PER_S:,} lines/s)")
-    for mode, row in summaries.items():
-        for dest, lost in row["worst_lost"].items():
-            print(f"  {mode} {dest}: lines lost: {lost}")
-    other = [run["checks"]["task_log"]["other_lines"] for run in runs["ma-run"]]
-    print(f"  ma-run task log: {max(other)} non-writer lines (ma-run's own log) at most per run")
-    return {"ma_run_over_direct": ratio, "budget_lines_per_s": BUDGET_LINES_PER_S, "meets_budget": status == "meets"}
-
-
-def print_damage(runs: Dict[str, List[dict]]) -> None:
-    for mode, mode_runs in runs.items():
-        for index, run in enumerate(mode_runs):
-            for dest, check in run["checks"].items():
+def print_damage(case: str, rows: Dict[str, List[harness.Sample]]) -> int:
+    """Prints the lines lost per mode and destination (worst run), and every damaged run; their count."""
+    damaged = 0
+    for mode, samples in rows.items():
+        for dest in samples[0].result["checks"]:
+            lost = max(sample.result["checks"][dest]["lost"] for sample in samples)
+            print(f"  {case} {mode} {dest}: lines lost: {lost}")
+        for sample in samples:
+            for dest, check in sample.result["checks"].items():
                 if not check["exact"]:
-                    print(f"  DAMAGE {mode} run {index + 1} {dest}: {json.dumps(check)}")
+                    damaged += 1
+                    print(f"  DAMAGE {case} {mode} round {sample.round + 1} {dest}: {json.dumps(check)}")
+    other = max(sample.result["checks"]["task_log"]["other_lines"] for sample in rows["ma-run"])
+    print(f"  {case} ma-run task log: {other} non-writer lines (ma-run's own log) at most per run")
+    return damaged
 
 
-def environment_info(args: argparse.Namespace) -> Dict[str, object]:
+def environment_info(args: argparse.Namespace) -> Dict[str, Any]:
     return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "lines": args.lines,
-        "repeat": args.repeat,
-        "statistic": "median of repeat runs (best also given)",
-        "ma_run": args.ma_run,
-        "tini": args.tini,
+        "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+        "lines": {"batched": args.lines, "per-line": args.per_line_lines, "paced": args.paced_lines},
+        "paced_rate": args.paced_rate, "rounds": args.rounds,
+        "warmup": args.warmup, "ma_run": args.ma_run, "tini": args.tini,
     }
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
+    counts = {"batched": args.lines, "per-line": args.per_line_lines, "paced": args.paced_lines}
     with tempfile.TemporaryDirectory(prefix="ma-bench-forwarding-") as scratch:
         writer = os.path.join(scratch, "writer.py")
         with open(writer, "w") as handle:
             handle.write(WRITER_SOURCE)
-        warm_up(mode_commands(writer_command(writer, 1000), args.ma_run, args.tini), scratch)
-        commands = mode_commands(writer_command(writer, args.lines), args.ma_run, args.tini)
-        runs = run_rounds(commands, args.lines, args.repeat, scratch)
-    summaries = {mode: mode_summary(mode_runs, args.lines) for mode, mode_runs in runs.items()}
-    print_table(summaries, args.lines, args.repeat)
-    verdict = print_verdict(summaries, runs)
-    print_damage(runs)
+        warm_up(writer, args.paced_rate, args.ma_run, args.tini, scratch)
+        harness.print_header(f"console forwarding through {args.ma_run}", args.rounds, args.warmup)
+        samples = harness.round_robin(tasks(writer, counts, args.paced_rate, args.ma_run, args.tini, scratch),
+                                      args.rounds, args.warmup)
+    subtract_idle(samples)
+    idle = {name: harness.summarize(samples[name], idle_ms) for name in dict.fromkeys(IDLE_ROWS.values())}
+    harness.print_table(f"idle: ma-run around a writer that prints nothing, at once or for "
+                        f"{counts['paced'] / args.paced_rate:g} s (the paced length): its own CPU",
+                        list(idle.items()), "ms CPU")
+    results: Dict[str, Any] = {case: report_case(case, counts[case], args.paced_rate, samples) for case in CASES}
+    results["idle_ma_run_cpu_ms"] = {name: row.as_dict() for name, row in idle.items()}
     if args.json:
-        result = {"environment": environment_info(args), "modes": summaries, "verdict": verdict, "runs": runs}
+        payload = {"environment": environment_info(args), "cases": results,
+                   "samples": {name: [vars(s) for s in rows] for name, rows in samples.items()}}
         with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
+            json.dump(payload, handle, indent=2)
     return 0
 
 

@@ -4,15 +4,16 @@ A temporary network namespace gets its own /etc/hosts (`ip netns exec`
 bind-mounts /etc/netns/<ns>/hosts over it) holding N job host names
 (`10.211.x.y <job>-worker-<i>.<job> <job>-worker-<i>`, default N = 1000), and a
 Volcano directory gets a `worker.host` file listing them. Inside the namespace,
-two ways are timed, round-robin, K times each (default 5):
+two ways are timed, round-robin (benchmarks/_harness.py), K rounds (default 5)
+after one warm-up round:
 
   check       ma_runtime.preflight.dns.run(spec, environ): reads worker.host and
               resolves every name on its pool of threads (the whole check)
   sequential  for name in names: socket.getaddrinfo(name, None, type=SOCK_STREAM)
 
-The table reports the median (and best) wall time of each and the ratio of the
-medians. Every run must resolve all N names. Needs root (`ip netns`); without
-it the script says so and exits 0.
+The table reports min/median/max wall time of each with the load average beside
+it, and sequential / check per round and of the medians. Every run must resolve
+all N names. Needs root (`ip netns`); without it the script says so and exits 0.
 
 With `--resolver-delay-ms MS` the names are not in /etc/hosts: a stub DNS
 server in the namespace (127.0.0.1:53, this script with --serve) answers each
@@ -20,7 +21,7 @@ query after MS ms, as a cluster DNS server a network hop away would. That is
 the case the check's concurrency is for; from a hosts file, lookups are CPU
 work and gain at most the number of CPUs.
 
-    .venv/bin/python benchmarks/preflight_dns.py [--names N] [--repeat K] [--resolver-delay-ms MS] [--json FILE]
+    .venv/bin/python benchmarks/preflight_dns.py [--names N] [--rounds K] [--resolver-delay-ms MS] [--json FILE]
 """
 
 import argparse
@@ -30,13 +31,15 @@ import os
 import platform
 import shutil
 import socket
-import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402  (beside this script, not a package)
 
 JOB = f"bench-{os.getpid()}"
 MODES = ("check", "sequential")
@@ -45,7 +48,7 @@ MODES = ("check", "sequential")
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--names", type=int, default=1000, help="host names to resolve (default 1000)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per way; median reported (default 5)")
+    harness.add_round_arguments(parser, rounds=5, warmup=1, aliases=("--repeat",))
     parser.add_argument(
         "--resolver-delay-ms", type=float, default=None,
         help="serve the names from a stub DNS server answering after this delay, not from /etc/hosts",
@@ -144,22 +147,18 @@ def time_sequential(volcano_dir: str) -> Dict[str, object]:
     return {"seconds": time.perf_counter() - start, "resolved": resolved}
 
 
-def inside(volcano_dir: str, repeat: int) -> None:
-    """Round-robin timings, one JSON object on stdout."""
-    timers = {"check": time_check, "sequential": time_sequential}
-    for timer in timers.values():
-        timer(volcano_dir)  # warm-up: imports, page cache, thread start-up
-    runs: Dict[str, List[dict]] = {mode: [] for mode in MODES}
-    for _ in range(repeat):
-        for mode in MODES:
-            runs[mode].append(timers[mode](volcano_dir))
-    print(json.dumps(runs))
+def inside(volcano_dir: str, rounds: int, warmup: int) -> None:
+    """Round-robin timings (warm-up: imports, page cache, thread start-up), one JSON object on stdout."""
+    tasks = {"check": lambda: time_check(volcano_dir), "sequential": lambda: time_sequential(volcano_dir)}
+    samples = harness.round_robin(tasks, rounds, warmup)
+    print(json.dumps({mode: [vars(sample) for sample in rows] for mode, rows in samples.items()}))
 
 
 # --- outside: set up the namespace, report ------------------------------------------------------------
 
 
-def run_in_netns(count: int, repeat: int, delay_ms: Optional[float], scratch: str) -> Dict[str, List[dict]]:
+def run_in_netns(count: int, rounds: int, warmup: int, delay_ms: Optional[float],
+                 scratch: str) -> Dict[str, List[harness.Sample]]:
     ns = f"ma-dns-bench-{os.getpid()}"
     etc = os.path.join("/etc/netns", ns)
     lines = job_hosts(count)
@@ -171,7 +170,7 @@ def run_in_netns(count: int, repeat: int, delay_ms: Optional[float], scratch: st
         write_netns_etc(etc, lines, served=delay_ms is not None)
         if delay_ms is not None:
             server = start_server(ns, lines, delay_ms, scratch)
-        argv = [*netns_python(ns), "--inside", volcano_dir, "--repeat", str(repeat)]
+        argv = [*netns_python(ns), "--inside", volcano_dir, "--rounds", str(rounds), "--warmup", str(warmup)]
         done = subprocess.run(argv, capture_output=True, text=True)
     finally:
         if server is not None:
@@ -181,7 +180,7 @@ def run_in_netns(count: int, repeat: int, delay_ms: Optional[float], scratch: st
         shutil.rmtree(etc, ignore_errors=True)
     if done.returncode != 0:
         sys.exit(f"the run inside the namespace failed (rc {done.returncode}):\n{done.stderr}")
-    return json.loads(done.stdout)
+    return {mode: [harness.Sample(**row) for row in rows] for mode, rows in json.loads(done.stdout).items()}
 
 
 def netns_python(ns: str) -> List[str]:
@@ -219,27 +218,21 @@ def start_server(ns: str, lines: List[str], delay_ms: float, scratch: str) -> su
     return server
 
 
-def summary(mode_runs: List[dict], count: int) -> Dict[str, object]:
-    seconds = [run["seconds"] for run in mode_runs]
-    return {
-        "median_s": statistics.median(seconds),
-        "best_s": min(seconds),
-        "all_resolved": all(run["resolved"] == count for run in mode_runs),
-    }
+def seconds(result: dict) -> float:
+    return result["seconds"]
 
 
-def print_table(summaries: Dict[str, Dict[str, object]], count: int, repeat: int, delay_ms: Optional[float]) -> float:
+def report(runs: Dict[str, List[harness.Sample]], count: int, delay_ms: Optional[float]) -> Dict[str, object]:
     source = "a hosts file" if delay_ms is None else f"a stub DNS server answering after {delay_ms:g} ms"
-    print(f"dns check, {count} names from {source}, in a netns; median of {repeat} runs, {os.cpu_count()} CPUs\n")
-    print(f"  {'way':<11} {'median ms':>10} {'best ms':>9} {'names/s':>10}  all resolved")
-    for mode, row in summaries.items():
-        print(
-            f"  {mode:<11} {row['median_s'] * 1000:>10.1f} {row['best_s'] * 1000:>9.1f}"
-            f" {count / row['median_s']:>10,.0f}  {'yes' if row['all_resolved'] else 'NO'}"
-        )
-    speedup = summaries["sequential"]["median_s"] / summaries["check"]["median_s"]
-    print(f"\n  sequential / check (medians): {speedup:.2f}x")
-    return speedup
+    rows = {mode: harness.summarize(runs[mode], seconds).scaled(1e3) for mode in MODES}
+    harness.print_table(f"dns check, {count} names from {source}, in a netns, wall time", list(rows.items()), "ms")
+    resolved = {mode: all(s.result["resolved"] == count for s in runs[mode]) for mode in MODES}
+    print("\n  all names resolved in every run: " + ", ".join(f"{mode} {'yes' if ok else 'NO'}"
+                                                         for mode, ok in resolved.items()))
+    speedup = harness.compare(runs["sequential"], runs["check"], harness.ratio, seconds)
+    print(f"  sequential / check: {harness.comparison_text(speedup)}")
+    return {"ms": {mode: row.as_dict() for mode, row in rows.items()}, "all_resolved": resolved,
+            "sequential_over_check": speedup.as_dict()}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -248,26 +241,26 @@ def main(argv: Sequence[str]) -> int:
         serve(args.serve, (args.resolver_delay_ms or 0) / 1000)
         return 0
     if args.inside:
-        inside(args.inside, args.repeat)
+        inside(args.inside, args.rounds, args.warmup)
         return 0
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("preflight_dns: needs root and `ip` (iproute2) for a network namespace; nothing measured")
         return 0
+    harness.print_header(f"dns preflight check, {args.names} names", args.rounds, args.warmup)
     scratch = tempfile.mkdtemp(prefix="ma-dns-bench-")
     try:
-        runs = run_in_netns(args.names, args.repeat, args.resolver_delay_ms, scratch)
+        runs = run_in_netns(args.names, args.rounds, args.warmup, args.resolver_delay_ms, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summaries = {mode: summary(runs[mode], args.names) for mode in MODES}
-    speedup = print_table(summaries, args.names, args.repeat, args.resolver_delay_ms)
+    results = report(runs, args.names, args.resolver_delay_ms)
     if args.json:
-        report = {
-            "names": args.names, "repeat": args.repeat, "resolver_delay_ms": args.resolver_delay_ms,
-            "cpus": os.cpu_count(), "python": platform.python_version(),
-            "summaries": summaries, "sequential_over_check": speedup, "runs": runs,
+        payload = {
+            "names": args.names, "rounds": args.rounds, "warmup": args.warmup,
+            "resolver_delay_ms": args.resolver_delay_ms, "cpus": os.cpu_count(), "python": platform.python_version(),
+            **results, "runs": {mode: [vars(s) for s in rows] for mode, rows in runs.items()},
         }
         with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+            json.dump(payload, handle, indent=2)
     return 0
 
 

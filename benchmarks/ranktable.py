@@ -6,7 +6,7 @@ pod names `modelarts-job-<uuid>-worker-<i>` listed in a shuffled order (fixed
 seed), distinct IPv4 `server_id`s and `device_ip`s, every value a string, and
 group_count/instance_count/device_count that agree. Then it times, each in a
 fresh interpreter (this script with --child) so that peak memory is that
-process's own, round-robin, --runs times after --warmup untimed rounds:
+process's own, round-robin (benchmarks/_harness.py), --rounds times after --warmup untimed rounds:
 
   ma_runtime  read the file text, ranktable.read_any(text, source) (parse,
               validate, convert), .template_one(), ranktable.write_atomically()
@@ -26,7 +26,7 @@ RSS when it started the child (ru_maxrss only where there is no /proc). The
 output of ma_runtime is checked once (ranks 0..N*D-1, servers in pod-index
 order). Budget: ma_runtime median < 1000 ms.
 
-    .venv/bin/python benchmarks/ranktable.py [--instances 4096] [--devices 16] [--runs 5] [--warmup 1] [--json FILE]
+    .venv/bin/python benchmarks/ranktable.py [--instances 4096] [--devices 16] [--rounds 5] [--warmup 1] [--json FILE]
 """
 
 import argparse
@@ -37,14 +37,16 @@ import os
 import platform
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402  (beside this script, not a package)
 
 BUDGET_MS = 1000.0
 MB = 1e6
@@ -58,8 +60,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=4096, help="servers (pods) in the table (default 4096)")
     parser.add_argument("--devices", type=int, default=16, help="devices per server (default 16)")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per path; median reported (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    harness.add_round_arguments(parser, rounds=5, warmup=1, aliases=("--runs",))
     parser.add_argument("--seed", type=int, default=20240607, help="seed of the pod order and job uuid")
     parser.add_argument("--json", metavar="FILE", help="also write the results (and raw samples) as JSON to FILE")
     # Internal: one measured run in a fresh interpreter.
@@ -209,42 +210,40 @@ def output_path(scratch: Path, name: str) -> Path:
     return scratch / CHILD_MODES[name] / "jobstart_hccl.json"
 
 
-def measure(source: Path, scratch: Path, runs: int, warmup: int) -> Dict[str, Dict[str, List[Any]]]:
-    """Raw samples per path (and the baseline): ms and peak_rss_kb per timed run, then one traced peak."""
+def measure(source: Path, scratch: Path, rounds: int, warmup: int) -> Dict[str, Any]:
+    """Samples per path (and the baseline), round-robin: each a child's ms and peak RSS; then one traced
+    peak and the output size per path."""
     names = (*PATHS, "baseline")
     outs = {name: output_path(scratch, name) for name in names}
-    keys = ("ms", "peak_rss_kb", "ru_maxrss_kb")
-    samples: Dict[str, Dict[str, List[Any]]] = {name: {key: [] for key in keys} for name in names}
-    for round_index in range(warmup + runs):
-        # Each round starts one path later, so no path always follows the same one.
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            result = run_child(CHILD_MODES[name], source, outs[name])
-            if round_index >= warmup:
-                for key in keys:
-                    samples[name][key].append(result[key])
-    for name in PATHS:
-        samples[name]["traced_peak_bytes"] = [run_child(CHILD_MODES[name], source, outs[name], trace=True)[
-            "traced_peak_bytes"]]
-        samples[name]["output_bytes"] = [outs[name].stat().st_size]
-    return samples
+
+    def task(name: str):
+        return lambda: run_child(CHILD_MODES[name], source, outs[name])
+
+    samples = harness.round_robin({name: task(name) for name in names}, rounds, warmup)
+    extras = {name: {"traced_peak_bytes": run_child(CHILD_MODES[name], source, outs[name], trace=True)[
+        "traced_peak_bytes"], "output_bytes": outs[name].stat().st_size} for name in PATHS}
+    return {"samples": samples, "extras": extras}
 
 
-def summarize(samples: Dict[str, Dict[str, List[Any]]]) -> Dict[str, Dict[str, float]]:
-    baseline_kb = statistics.median(samples["baseline"]["peak_rss_kb"])
-    stats = {}
+def field(name: str):
+    return lambda result: result[name]
+
+
+def summarize(measured: Dict[str, Any]) -> Dict[str, Any]:
+    samples, extras = measured["samples"], measured["extras"]
+    baseline_kb = harness.summarize(samples["baseline"], field("peak_rss_kb")).median
+    stats: Dict[str, Any] = {}
     for name in PATHS:
-        values = samples[name]
         stats[name] = {
-            "median_ms": statistics.median(values["ms"]),
-            "min_ms": min(values["ms"]),
-            "max_ms": max(values["ms"]),
-            "traced_peak_mb": values["traced_peak_bytes"][0] / MB,
-            "rss_over_baseline_mb": (statistics.median(values["peak_rss_kb"]) - baseline_kb) * 1024 / MB,
-            "output_mb": values["output_bytes"][0] / MB,
+            "ms": harness.summarize(samples[name], field("ms")),
+            "traced_peak_mb": extras[name]["traced_peak_bytes"] / MB,
+            "rss_over_baseline_mb": (harness.summarize(samples[name], field("peak_rss_kb")).median - baseline_kb)
+            * 1024 / MB,
+            "output_mb": extras[name]["output_bytes"] / MB,
         }
-    stats["baseline"] = {"peak_rss_mb": baseline_kb * 1024 / MB, "median_ms": statistics.median(
-        samples["baseline"]["ms"])}
+    stats["baseline"] = {"peak_rss_mb": baseline_kb * 1024 / MB, "ms": harness.summarize(samples["baseline"],
+                                                                                         field("ms"))}
+    stats["ratio"] = harness.compare(samples["ma_runtime"], samples["json floor"], harness.ratio, field("ms"))
     return stats
 
 
@@ -252,27 +251,36 @@ def ratio(ours: float, floor: float) -> str:
     return f"{ours / floor:.2f}x" if floor > 0 else "-"
 
 
-def print_table(stats: Dict[str, Dict[str, float]]) -> None:
-    print(f"  {'path':<12} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'tracemalloc MB':>15} {'RSS +MB':>9}")
+def print_table(stats: Dict[str, Any]) -> None:
+    harness.print_table("wall time of the section, ms", [(name, stats[name]["ms"]) for name in PATHS], "ms")
+    print(f"\n  {'path':<12} {'tracemalloc MB':>15} {'RSS +MB':>9}")
     for name in PATHS:
         row = stats[name]
-        print(f"  {name:<12} {row['median_ms']:>10.1f} {row['min_ms']:>9.1f} {row['max_ms']:>9.1f} "
-              f"{row['traced_peak_mb']:>15.1f} {row['rss_over_baseline_mb']:>9.1f}")
+        print(f"  {name:<12} {row['traced_peak_mb']:>15.1f} {row['rss_over_baseline_mb']:>9.1f}")
     ours, floor = stats["ma_runtime"], stats["json floor"]
-    print(f"  {'ratio':<12} {ratio(ours['median_ms'], floor['median_ms']):>10} {'':>9} {'':>9} "
-          f"{ratio(ours['traced_peak_mb'], floor['traced_peak_mb']):>15} "
+    print(f"  {'ratio':<12} {ratio(ours['traced_peak_mb'], floor['traced_peak_mb']):>15} "
           f"{ratio(ours['rss_over_baseline_mb'], floor['rss_over_baseline_mb']):>9}")
     print(f"  baseline child (import ma_runtime.ranktable, read the file): peak RSS "
           f"{stats['baseline']['peak_rss_mb']:.1f} MB")
+    print(f"\n  ma_runtime / json floor, wall time: {harness.comparison_text(stats['ratio'])}")
 
 
-def verdict(stats: Dict[str, Dict[str, float]], instances: int, devices: int) -> Dict[str, Any]:
+def verdict(stats: Dict[str, Any], instances: int, devices: int) -> Dict[str, Any]:
     ours = stats["ma_runtime"]
-    met = ours["median_ms"] < BUDGET_MS
-    line = (f"convert {instances} x {devices}: median {ours['median_ms']:.0f} ms (budget < {BUDGET_MS:.0f} ms): "
-            f"{'MET' if met else 'MISSED'}; peak Python memory {ours['traced_peak_mb']:.1f} MB (tracemalloc), "
+    median = ours["ms"].median
+    met = median < BUDGET_MS
+    line = (f"convert {instances} x {devices}: median {median:.0f} ms (budget < {BUDGET_MS:.0f} ms): "
+            f"{harness.verdict(met)}; peak Python memory {ours['traced_peak_mb']:.1f} MB (tracemalloc), "
             f"RSS +{ours['rss_over_baseline_mb']:.1f} MB")
     return {"budget_ms": BUDGET_MS, "met": met, "line": line}
+
+
+def to_json(value: Any) -> Any:
+    if isinstance(value, (harness.Summary, harness.Comparison)):
+        return value.as_dict()
+    if isinstance(value, harness.Sample):
+        return vars(value)
+    return str(value)
 
 
 def environment_info(args: argparse.Namespace) -> Dict[str, Any]:
@@ -282,7 +290,7 @@ def environment_info(args: argparse.Namespace) -> Dict[str, Any]:
         "cpus": os.cpu_count(),
         "instances": args.instances,
         "devices": args.devices,
-        "runs": args.runs,
+        "rounds": args.rounds,
         "warmup": args.warmup,
         "seed": args.seed,
     }
@@ -300,19 +308,21 @@ def main(argv: Sequence[str]) -> int:
         input_bytes = source.stat().st_size
         print(f"rank table {args.instances} x {args.devices} ({args.instances * args.devices} devices), "
               f"template two {input_bytes / MB:.1f} MB at {source}")
-        samples = measure(source, scratch, args.runs, args.warmup)
+        harness.print_header("read + parse/validate/convert + template one + write, fresh interpreter per run",
+                             args.rounds, args.warmup)
+        measured = measure(source, scratch, args.rounds, args.warmup)
         check_output(output_path(scratch, "ma_runtime"), args.instances, args.devices)
-    stats = summarize(samples)
-    print(f"read + parse/validate/convert + template one + write, {args.runs} runs each after {args.warmup} warm-up, "
-          f"round-robin, fresh interpreter per run, {os.cpu_count()} CPUs; template one "
-          f"{stats['ma_runtime']['output_mb']:.1f} MB (json floor {stats['json floor']['output_mb']:.1f} MB)")
+    stats = summarize(measured)
+    print(f"template one {stats['ma_runtime']['output_mb']:.1f} MB (json floor {stats['json floor']['output_mb']:.1f} "
+          "MB)")
     print_table(stats)
     result = verdict(stats, args.instances, args.devices)
     print(result["line"])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"environment": environment_info(args), "input_bytes": input_bytes, "results": stats,
-                       "verdict": result, "samples": samples}, handle, indent=2)
+                       "verdict": result, "samples": measured["samples"], "extras": measured["extras"]},
+                      handle, indent=2, default=to_json)
     return 0
 
 
