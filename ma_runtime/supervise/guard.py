@@ -1,10 +1,11 @@
 """The guard: kills the run's processes if the runtime itself is SIGKILLed.
 
-PR_SET_PDEATHSIG reaches only the runtime's direct child; a grandchild (the
-python under `sh -c`, torchrun's workers, msrun's setsid'd ranks) would live on,
-re-parented to init. So, when the runtime is not PID 1 (as PID 1, the kernel
-kills the whole namespace with it), it forks this small process before any
-worker. The guard holds the read end of a pipe whose only write end is the
+Nothing in the kernel ends a process tree when its parent is SIGKILLed
+(PR_SET_PDEATHSIG reaches one direct child, and costs the vfork spawn): the
+command, the python under `sh -c`, torchrun's workers and msrun's setsid'd ranks
+would live on, re-parented to init. So, when the runtime is not PID 1 (as PID 1,
+the kernel kills the whole namespace with it), it forks this small process
+before any worker. The guard holds the read end of a pipe whose only write end is the
 runtime's: EOF without the stand-down message means the runtime died, and the
 guard kills the run's processes (the kill sweep of worker.py: stop them all,
 then SIGKILL, until none is left).

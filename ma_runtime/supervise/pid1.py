@@ -6,7 +6,6 @@
 - `reap`: the single `waitpid(-1)` loop of the process. It records the status of
   the pids the supervisor tracks and discards the rest, so `Popen.wait` never
   races it for a status (we never call `Popen.wait`).
-- `die_with_parent`: the child half of PR_SET_PDEATHSIG.
 - `set_process_name`, `set_command_line`: the name and the command line a
   forked helper (the guard) shows, so that nothing aimed at ma-run hits it.
 """
@@ -19,7 +18,6 @@ import select
 import signal
 from typing import Dict, List, Optional, Sequence
 
-PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -75,14 +73,6 @@ def set_command_line(words: Sequence[str]) -> bool:
     text = b"\0".join(word.encode() for word in words)[: size - 1]
     ctypes.memmove(start, text.ljust(size, b"\0"), size)
     return True
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Runs in the forked child before exec: SIGKILL it when the runtime dies."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    # The parent may have died between fork and prctl; then nobody would kill us.
-    if os.getppid() != parent_pid:
-        os._exit(137)
 
 
 class SignalQueue:
