@@ -1,4 +1,4 @@
-"""`ma-runtime run`: the flow of DESIGN.md, read top to bottom like tini's main()."""
+"""`ma-runtime run`: the flow of docs/architecture.md, read top to bottom like tini's main()."""
 
 import functools
 import json
@@ -315,7 +315,7 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
                  rank_table=None) -> int:  # rank_table: a ranktable.Prepared, when the job has one
     log = logs.get_logger()
     run_id = context.run_id
-    # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (§12 item 21).
+    # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
     argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
     resolve = functools.partial(_resolve_until, seconds=spec.master_resolve_seconds)
     plan = plan_module.build(spec, plan_module.Context(argv, os.environ, rank_table, resolve))

@@ -2,12 +2,12 @@
 
 On Ascend the platform writes template two (`group_list`) into the container after
 it starts, as `jobstart_hccl.json`, first with `status: "initializing"`, and the
-workers must not read it before `status == "completed"` (platform-contract §4).
+workers must not read it before `status == "completed"` (docs/platform.md, "Rank table").
 MindSpore's rank-table launch and many scripts want template one (`server_list`
 with `rank_id`). Decisions (README, "Rank table"):
 
 - Location: `RANK_TABLE_FILE` may name the file or the directory that holds
-  `jobstart_hccl.json` (the platform documents both, §12 item 1). An existing
+  `jobstart_hccl.json` (the platform documents both; docs/platform.md, D1). An existing
   directory, or a missing path not ending in `.json`, is a directory; anything
   else that exists is the table itself.
 - Waiting: poll every POLL_SECONDS until `completed` or the deadline; a missing,

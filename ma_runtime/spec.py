@@ -21,7 +21,7 @@ PREFLIGHT_CHECKS = ("dns", "disk-size", "ulimit", "gpu", "npu")
 DISK_TARGETS = ("root", "shm", "cache")
 LOG_FORMATS = ("logfmt", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# The platform's hyperparameter names (001:2959-2982): at most 64 of [A-Za-z0-9_-].
+# The platform's hyperparameter names (docs/platform.md, "Launch methods"): at most 64 of [A-Za-z0-9_-].
 _HYPERPARAMETER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -646,7 +646,7 @@ class Channel:
     predownload: bool = False  # outputs: fetch what is already there (resume)
 
     def local_dir(self, mount_path: Path) -> Path:
-        """`${MA_MOUNT_PATH}/inputs/data_url_0`, `${MA_MOUNT_PATH}/outputs/train_url_0` (001:6827)."""
+        """`${MA_MOUNT_PATH}/inputs/data_url_0`, `${MA_MOUNT_PATH}/outputs/train_url_0` (docs/platform.md, D10)."""
         return mount_path / self.kind / f"{self.name}_{self.index}"
 
 

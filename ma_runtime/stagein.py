@@ -1,6 +1,6 @@
 """Stage-in: the code directory, the inputs and the pre-downloaded outputs, before the command starts.
 
-Local paths follow the platform (001:815-824, 001:1568-1573, 001:6827):
+Local paths follow the platform (docs/platform.md, "Stage-in" and decision D10):
 - code `obs://b/path/demo-code` -> `${MA_JOB_DIR}/demo-code` (the last path part kept);
 - input `data_url` (first in the list) -> `${MA_MOUNT_PATH}/inputs/data_url_0`;
 - output `train_url` -> `${MA_MOUNT_PATH}/outputs/train_url_0` (created even without pre-download).
@@ -11,7 +11,7 @@ command is given the file's path. The command hears of each channel as
 What was staged is recorded in `${MA_MOUNT_PATH}/.ma-runtime/staged.json` (written
 atomically, never over something that is not a regular file); a restart in the
 same pod (MA_PROC_START_CNT > 1) does not fetch it again. The platform's size
-limits (§5.1-5.3) are warnings, not errors.
+limits (docs/platform.md, D13) are warnings, not errors.
 
 Every URL was validated when the job was loaded (storage/url.py): no last part
 that is empty, `.` or `..`, so the code directory is one name strictly inside
@@ -34,7 +34,7 @@ from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import StorageError
 from ma_runtime.storage.safety import read_regular
 
-# (total bytes, files, single file bytes) the platform's console allows (001:1467, 1555, 1606).
+# (total bytes, files, single file bytes) the platform's console allows (docs/platform.md, "Stage-in").
 LIMITS = {
     "code": (5 << 30, 1000, None),
     "inputs": (10 << 30, 1000, 1 << 30),
@@ -51,7 +51,7 @@ class Staged:
 
 
 def code_dir(spec: JobSpec) -> Path:
-    """`obs://b/path/demo-code` -> `${MA_JOB_DIR}/demo-code`: the last path part is kept (001:821-824)."""
+    """`obs://b/path/demo-code` -> `${MA_JOB_DIR}/demo-code`: the last path part is kept (docs/platform.md)."""
     name = storage_url.parse(spec.code_url, "code URL").last_part
     # parse() refuses these already; the rule is restated where the path is made, as the promise it is.
     if name in ("", ".", "..") or "/" in name or "\0" in name:
@@ -138,7 +138,7 @@ def _as_prefix(url: str):
 
 
 def _event_name(kind: str, channel: Optional[Channel]) -> str:
-    """The platform's event wording (001:9969-9979), in English."""
+    """The platform's event wording (docs/platform.md, "Stage-in"), in English."""
     if kind == "code":
         return "code download"
     if kind == "inputs":

@@ -1,7 +1,7 @@
 """A local OBS-compatible endpoint for the storage tests: moto's server, in-process, on 127.0.0.1:0.
 
 The real esdk-obs-python talks to it (path-style, region us-east-1, v4 or v2;
-test-environment.md §1). Objects are seeded with boto3, an independent client,
+docs/architecture.md, "Tests"). Objects are seeded with boto3, an independent client,
 so a bug in our OBS adapter cannot hide itself in the fixtures.
 """
 

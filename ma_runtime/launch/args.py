@@ -1,4 +1,4 @@
-"""Appending `--name=value` arguments to the command, the platform's way (001:990-1006).
+"""Appending `--name=value` arguments to the command, the platform's way (docs/platform.md, "Launch methods").
 
 A command given as several words runs as it is, with no shell, and the
 arguments become extra words. A command given as one word that contains shell

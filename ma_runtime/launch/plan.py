@@ -166,7 +166,7 @@ def _rtf(spec, context: Context, why: str) -> Plan:
             "ASCEND_DEVICE_ID": logical,
             "DEVICE_ID": logical,
             "JOB_ID": spec.job_id,
-            # The platform's upload layout (contract §8.2).
+            # The platform's upload layout (docs/platform.md, "Logs").
             "ASCEND_PROCESS_LOG_PATH": str(spec.log_dir / "ascend" / "process_log" / f"rank_{device.rank_id}"),
         }
         proc_log = spec.log_dir / f"modelarts-job-{spec.job_id}-proc-rank-{device.rank_id}-device-{logical}.txt"

@@ -1,4 +1,4 @@
-"""`disk-size`: the root filesystem, /dev/shm and /cache are big enough (001:7599-7651).
+"""`disk-size`: the root filesystem, /dev/shm and /cache are big enough (docs/platform.md, "Preflight checks").
 
 The platform's rule is "> 32 GB" for the item named disk-*size*: it checks that
 the flavour's disks are attached at their full size, so the threshold is on the

@@ -1,4 +1,4 @@
-"""The `dns` check: every host name of the job resolves (platform contract §6.2).
+"""The `dns` check: every host name of the job resolves (docs/platform.md, "Preflight checks").
 
 The names are those in Volcano's `*.host` files directly under
 `spec.preflight_volcano_dir` (the svc plugin writes `<task>.host`, and a

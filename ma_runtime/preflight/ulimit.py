@@ -1,4 +1,4 @@
-"""`ulimit`: the limits RDMA (InfiniBand/RoCE) training needs (001:7599-7651).
+"""`ulimit`: the limits RDMA (InfiniBand/RoCE) training needs (docs/platform.md, "Preflight checks").
 
 Checked when an InfiniBand/RoCE device is present (/sys/class/infiniband has
 entries) or when MA_RUNTIME_PREFLIGHT_ULIMIT=always. Before judging, a soft

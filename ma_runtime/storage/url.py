@@ -44,7 +44,7 @@ class Location:
 
     @property
     def last_part(self) -> str:
-        """`obs://b/path/demo-code/` -> `demo-code`: the name the platform keeps locally (001:821-824).
+        """`obs://b/path/demo-code/` -> `demo-code`: the name the platform keeps locally (docs/platform.md).
         `parse` guarantees it is one safe file name: not empty, `.` or `..`, no `/`, at most 255 bytes."""
         return self.key.rstrip("/").rsplit("/", 1)[-1] or self.bucket
 

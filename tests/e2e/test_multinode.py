@@ -2,7 +2,7 @@
 
 Each node is a network namespace, the two joined by a veth pair, with its own `/etc/netns/<ns>/hosts` naming
 both nodes (`ip netns exec` bind-mounts it over /etc/hosts) and its own host name from `unshare --uts`: gloo
-looks up the node's own host name, which must resolve to the node's own address (docs: test-environment.md §4).
+looks up the node's own host name, which must resolve to the node's own address (docs/architecture.md, "Tests").
 Each node runs `ma-run` with its VC_TASK_INDEX and MA_HOME and the shared VC_WORKER_HOSTS; the runtime builds
 the multi-node launcher command line itself (launch/plan.py). Every namespace, hosts file, veth and process a
 test makes is removed by the fixture's finalizer, whatever the outcome.

@@ -1,6 +1,6 @@
 """The launch plan: each method x single/multi node x CPU/NPU job, field by field against the platform's forms.
 
-Documented forms (platform-contract §3.3-3.5):
+Documented forms (docs/platform.md, "Launch methods"):
 - torchrun, one node: `torchrun --standalone --nnodes=N --nproc_per_node=G ${MA_EXTRA_TORCHRUN_PARAMS} script args`;
 - torchrun, several: `torchrun --nnodes --nproc_per_node --node_rank --master_addr=<worker-0 name>
   --master_port=${MA_TORCHRUN_MASTER_PORT:-18888} --rdzv_id=<job id> --rdzv_backend=static ${EXTRA} script args`;

@@ -29,3 +29,18 @@ def test_every_numeric_setting_has_its_range_in_the_readme():
 def test_every_exit_code_is_in_the_readme_table():
     for code in ExitCode:
         assert re.search(rf"^\| {int(code)} \|", README, re.MULTILINE), code
+
+
+def test_the_repository_cites_only_documents_it_ships():
+    # Code and README once cited the design notes, the platform contract's sections and line numbers of
+    # files we do not ship; docs/platform.md and docs/architecture.md are the repository's own.
+    root = Path(__file__).resolve().parents[2]
+    foreign = re.compile(r"DESIGN\.md|platform-contract|test-environment\.md|prior-art\.md|§|\b0\d\d:\d{3,}")
+    files = [root / "README.md", *root.glob("ma_runtime/**/*.py"), *root.glob("tests/**/*.py"),
+             *root.glob("benchmarks/*.py"), *root.glob("scripts/*.sh"), *root.glob("examples/*")]
+    cited = [f"{path.relative_to(root)}:{number}" for path in files if path.is_file()
+             for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if foreign.search(line) and "foreign = re.compile" not in line]
+    assert not cited
+    for linked in ("docs/architecture.md", "docs/platform.md"):
+        assert (root / linked).is_file() and linked in README
