@@ -68,7 +68,8 @@ def test_a_torchrun_rank_that_exits_3_fails_the_job_with_3_naming_the_rank(job_e
     assert done.returncode == 3, done.stderr[-3000:]
     message = termination(env)
     assert (message["exit_code"], message["rank"]) == (3, 1)
-    assert "rank 1 failed first" in message["reason"]
+    # The reason speaks of the rank's own code, as the exit code does (it said torchrun's 1).
+    assert message["reason"] == "rank 1 failed first: the command exited with code 3"
 
 
 def test_torchrun_missing_is_one_line_naming_the_package(job_env, tmp_path):

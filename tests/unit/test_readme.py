@@ -44,3 +44,10 @@ def test_the_repository_cites_only_documents_it_ships():
     assert not cited
     for linked in ("docs/architecture.md", "docs/platform.md"):
         assert (root / linked).is_file() and linked in README
+
+
+def test_the_package_declares_its_license_the_current_way():
+    # `license = { text = ... }` made setuptools print its deprecation box three times in the demo.
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^license = "Apache-2.0"$', pyproject, re.MULTILINE)
+    assert '"setuptools>=77"' in pyproject  # the first to read an SPDX license expression

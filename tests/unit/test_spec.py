@@ -257,3 +257,9 @@ def test_hostile_job_file_end_to_end_is_one_line_78(tmp_path, job_env):
     assert result.returncode == 78
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "expands to more than" in result.stderr
+
+
+def test_the_hint_names_the_variable_and_what_it_holds(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path), "VC_TASK_INDEX": "-1"})
+    assert caught.value.hint == "VC_TASK_INDEX: this container's index in the job"  # was "is the this container's"
