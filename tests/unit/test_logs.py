@@ -161,11 +161,13 @@ def test_a_value_is_still_masked_when_it_is_not_a_variable_name():
     assert Masker().text("credentials: sk-live-123456") == f"credentials: {MASK}"
 
 
-@pytest.mark.parametrize(
-    "text",
-    ["-" * 200_000, "a" * 200_000, "password" * 25_000, 'token="' * 30_000, "--password " * 20_000,
-     "x=" * 100_000, "A1" * 100_000, "token: " * 30_000, "_" * 100_000 + "password"],
-)
+ADVERSARIAL = {"dashes": "-" * 200_000, "letters": "a" * 200_000, "secret words": "password" * 25_000,
+               "open quotes": 'token="' * 30_000, "options": "--password " * 20_000, "assignments": "x=" * 100_000,
+               "key shapes": "A1" * 100_000, "colons": "token: " * 30_000, "long key": "_" * 100_000 + "password"}
+
+
+# Short ids: pytest puts the test's id in PYTEST_CURRENT_TEST, and 200 KB there overflows a child's exec.
+@pytest.mark.parametrize("text", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
 def test_the_masker_is_linear_in_its_input(text):
     # A hang guard, not a speed test: the old patterns took 35 s for 16 000 dashes and grow with the
     # square of the length; 200 KB would take hours. Run in a child so a regression fails, not hangs.
