@@ -8,7 +8,7 @@ group_count/instance_count/device_count that agree. Then it times, each in a
 fresh interpreter (this script with --child) so that peak memory is that
 process's own, round-robin (benchmarks/_harness.py), --rounds times after --warmup untimed rounds:
 
-  ma_runtime  read the file text, ranktable.read_any(text, source) (parse,
+  ma_runtime  ranktable.read_table (bounded read), ranktable.read_any (parse,
               validate, convert), .template_one(), ranktable.write_atomically()
               -- the path `ma-runtime run` takes (ranktable.prepare)
   json floor  read the file text, json.loads, a template-one document built by
@@ -173,7 +173,8 @@ def child(mode: str, source: str, out: str, trace: bool) -> int:
     if trace:
         tracemalloc.start()
     started = time.perf_counter()
-    text = source_path.read_text(encoding="utf-8")
+    # ma_runtime reads with its own bounded reader, as ranktable.prepare reads the platform's file.
+    text = ranktable.read_table(source_path) if mode == "ma_runtime" else source_path.read_text(encoding="utf-8")
     if mode == "ma_runtime":
         ranktable.write_atomically(out_path, ranktable.read_any(text, source).template_one())
     elif mode == "json":
