@@ -320,3 +320,12 @@ def _check_installed(python: str, venv: Path) -> None:
                            capture_output=True, text=True, cwd=venv).stdout.strip()
     if not Path(where).resolve().is_relative_to(venv.resolve()):
         raise RuntimeError(f"the scratch venv imports ma_runtime from {where}, not from its wheel install")
+
+
+def to_json(value: Any) -> Any:
+    """`json.dump(..., default=to_json)`: the harness's figures as plain data, anything else as text."""
+    if isinstance(value, (Summary, Comparison)):
+        return value.as_dict()
+    if isinstance(value, Sample):
+        return vars(value)
+    return str(value)

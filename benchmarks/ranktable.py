@@ -276,14 +276,6 @@ def verdict(stats: Dict[str, Any], instances: int, devices: int) -> Dict[str, An
     return {"budget_ms": BUDGET_MS, "met": met, "line": line}
 
 
-def to_json(value: Any) -> Any:
-    if isinstance(value, (harness.Summary, harness.Comparison)):
-        return value.as_dict()
-    if isinstance(value, harness.Sample):
-        return vars(value)
-    return str(value)
-
-
 def environment_info(args: argparse.Namespace) -> Dict[str, Any]:
     return {
         "python": sys.version.split()[0],
@@ -323,7 +315,7 @@ def main(argv: Sequence[str]) -> int:
         with open(args.json, "w") as handle:
             json.dump({"environment": environment_info(args), "input_bytes": input_bytes, "results": stats,
                        "verdict": result, "samples": measured["samples"], "extras": measured["extras"]},
-                      handle, indent=2, default=to_json)
+                      handle, indent=2, default=harness.to_json)
     return 0
 
 

@@ -887,14 +887,6 @@ def print_table(title: str, rows: List[Tuple[str, str, Dict[str, Any]]], unit: s
               f"{row['client_cpu_pct']:>9.0f}% {row['server_cpu_pct']:>9.0f}%{flag}")
 
 
-def to_json(value: Any) -> Any:
-    if isinstance(value, (harness.Summary, harness.Comparison)):
-        return value.as_dict()
-    if isinstance(value, harness.Sample):
-        return vars(value)
-    return str(value)
-
-
 def pin_server(server: Server) -> None:
     """Every thread of the server process onto CPUs 1..N-1 (node's and werkzeug's threads included)."""
     cpus = os.cpu_count() or 1
@@ -1127,7 +1119,7 @@ def main(argv: Sequence[str]) -> int:
         if args.json:
             payload = {"environment": environment(args, servers), "unavailable": problems, **results}
             with open(args.json, "w") as handle:
-                json.dump(payload, handle, indent=2, default=to_json)
+                json.dump(payload, handle, indent=2, default=harness.to_json)
         return 0
     finally:
         for server in servers.values():

@@ -13,7 +13,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Union
+from typing import BinaryIO, Callable, Union
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -57,17 +57,19 @@ def writable_target(path: Union[str, Path]) -> Path:
 def write_atomically(path: Union[str, Path], data: Union[bytes, str], mode: int = 0o644) -> None:
     """Writes `data` to a temporary file beside the target, then renames it into place: a reader sees the
     old file or the new one, never half of one. Raises NotAFile (see `writable_target`) or the OSError."""
-    target = writable_target(path)
     payload = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
+    write_atomically_from(path, lambda sink: sink.write(payload), mode)
+
+
+def write_atomically_from(path: Union[str, Path], write: Callable[[BinaryIO], object], mode: int = 0o644) -> None:
+    """`write_atomically` for what is written in pieces (a copy larger than memory): `write(sink)` fills a
+    temporary file beside the target, which is renamed into place once complete."""
+    target = writable_target(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        try:
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        with os.fdopen(fd, "wb") as sink:
+            write(sink)
         os.replace(tmp, target)
     except BaseException:
         try:

@@ -100,6 +100,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def marked(marker: str):
+    """Living processes (ours excepted) whose command line contains `marker`: what a test started, by the
+    unique text it gave them."""
+    found = []
+    wanted = marker.encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if wanted in cmdline and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

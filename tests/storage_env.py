@@ -6,6 +6,8 @@ so a bug in our OBS adapter cannot hide itself in the fixtures.
 """
 
 import os
+import socket
+import threading
 import uuid
 
 import pytest
@@ -53,3 +55,30 @@ def obs_endpoint():
     host, port = server.get_host_and_port()
     yield Endpoint(f"http://{host}:{port}")
     server.stop()
+
+
+@pytest.fixture
+def hanging_endpoint():
+    """An endpoint that accepts connections and never answers (a hung server or proxy)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+    for connection in held:
+        connection.close()
+
+
+def refusing_endpoint() -> str:
+    """An endpoint nothing listens on: every connection is refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"  # closed on return: nothing listens there

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-from ma_runtime.files import writable_target
+from ma_runtime.files import writable_target, write_atomically_from
 from ma_runtime.storage.base import NotFound, ObjectChanged, ObjectInfo, StorageError
 
 CHUNK = 1 << 20
@@ -85,7 +85,7 @@ class LocalStore:
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
         target = _upload_target(key)
         with open(path, "rb") as source:
-            _write_beside(target, lambda sink: shutil.copyfileobj(source, sink, CHUNK))
+            write_atomically_from(target, lambda sink: shutil.copyfileobj(source, sink, CHUNK))
         return ObjectInfo(key, target.stat().st_size)
 
     def create_multipart(self, bucket: str, key: str) -> str:
@@ -111,7 +111,7 @@ class LocalStore:
                 with open(parts_dir / f"{number:05d}", "rb") as source:
                     shutil.copyfileobj(source, sink, CHUNK)
 
-        _write_beside(target, concatenate)
+        write_atomically_from(target, concatenate)
         shutil.rmtree(parts_dir, ignore_errors=True)
         return ObjectInfo(key, target.stat().st_size)
 
@@ -146,21 +146,3 @@ def _upload_target(key: str) -> Path:
     target = Path(key)
     target.parent.mkdir(parents=True, exist_ok=True)
     return writable_target(target)
-
-
-def _write_beside(target: Path, write) -> None:
-    """`write(sink)` into a temporary file beside `target`, renamed over it once complete.
-
-    files.write_atomically takes the bytes whole; an upload can be larger than memory."""
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as sink:
-            write(sink)
-        os.replace(tmp, writable_target(target))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

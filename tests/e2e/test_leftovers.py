@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.conftest import MA_RUN, MA_RUNTIME, ROOT, alive, namespace_init, needs_pid_namespace, wait_for_file
+from tests.conftest import MA_RUN, MA_RUNTIME, ROOT, marked, namespace_init, needs_pid_namespace, wait_for_file
 
 SLEEP = shutil.which("sleep") or "/bin/sleep"
 # Each generation starts a `sleep` that ignores SIGTERM too, waits 20 ms, starts
@@ -45,23 +45,6 @@ def marker():
     text = f"3000.{random.randrange(10**8):08d}"
     yield text
     kill_marked(text)
-
-
-def marked(marker):
-    """Living processes whose command line contains `marker`."""
-    found = []
-    wanted = marker.encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if wanted in cmdline and alive(int(entry)):
-            found.append(int(entry))
-    return found
 
 
 def sleepers(marker):

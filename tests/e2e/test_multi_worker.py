@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import wait_for_file
+from tests.conftest import marked, wait_for_file
 
 DRIVER = r"""
 import dataclasses, json, os, sys
@@ -94,21 +94,6 @@ def sleeper(seconds):
     return ["sh", "-c", f"sleep {seconds}; true"]
 
 
-def survivors(marker):
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if marker.encode() in cmdline:
-            found.append(int(entry))
-    return found
-
-
 def test_first_failure_stops_the_others_and_decides_the_exit_code(tmp_path):
     seconds = tag()
     job = Job(tmp_path, [sleeper(seconds)] * 3 + [["sh", "-c", "sleep 0.2; exit 3"]])
@@ -120,7 +105,7 @@ def test_first_failure_stops_the_others_and_decides_the_exit_code(tmp_path):
     assert outcome["stop_signal"] is None and not outcome["forced"]
     assert outcome["duration"] < 15 and wall < 15
     assert "a worker failed: stopping the others" in err and "worker=rank-3" in err and "others=3" in err
-    assert survivors(seconds) == []
+    assert marked(seconds) == []
 
 
 def test_a_worker_killed_by_sigkill_is_137(tmp_path):
@@ -131,7 +116,7 @@ def test_a_worker_killed_by_sigkill_is_137(tmp_path):
     assert outcome["exit_code"] == 137 and outcome["returncode"] == -signal.SIGKILL
     assert outcome["failed_worker"] == "rank-2" and outcome["workers_stopped"] == 2
     assert wall < 15
-    assert survivors(seconds) == []
+    assert marked(seconds) == []
 
 
 def test_all_workers_succeed_is_0(tmp_path):
@@ -160,7 +145,7 @@ def test_sigterm_to_the_supervisor_stops_every_worker_as_a_stop_not_a_failure(tm
     assert outcome["failed_worker"] is None and outcome["workers_stopped"] == 0
     assert "a worker failed" not in err
     assert wall < 15
-    assert survivors(seconds) == []
+    assert marked(seconds) == []
 
 
 def ignoring_term(directory, seconds):
@@ -178,7 +163,7 @@ def test_a_worker_ignoring_sigterm_is_killed_after_the_grace(tmp_path):
     assert outcome["forced"] and outcome["failed_worker"] == "rank-1" and outcome["workers_stopped"] == 1
     assert 1.0 <= outcome["duration"] < 15
     assert "grace period over" in err
-    assert survivors(seconds) == []
+    assert marked(seconds) == []
 
 
 def test_sigterm_with_a_worker_ignoring_it_is_forced_and_143(tmp_path):
@@ -190,7 +175,7 @@ def test_sigterm_with_a_worker_ignoring_it_is_forced_and_143(tmp_path):
     assert status == 143 and outcome["exit_code"] == 143
     assert outcome["forced"] and outcome["stop_signal"] == signal.SIGTERM and outcome["failed_worker"] is None
     assert wall < 15
-    assert survivors(seconds) == []
+    assert marked(seconds) == []
 
 
 def test_sighup_reaches_every_worker(tmp_path):
@@ -206,7 +191,7 @@ def test_sighup_reaches_every_worker(tmp_path):
     # Every worker's trap ran (exit 0); one missed would sleep on and keep the job alive.
     assert status == 0 and outcome["stop_signal"] is None
     assert wall < 15
-    assert survivors(seconds) == []
+    assert marked(seconds) == []
 
 
 PRINTER = """

@@ -9,15 +9,14 @@ code, no traceback, no secret, and nothing overwritten.
 
 import json
 import os
-import socket
 import stat
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import log_dir, run_ma, task_log
+from tests.storage_env import refusing_endpoint
 
 pytest.importorskip("ma_runtime.storage.obs")
 
@@ -90,36 +89,10 @@ def test_a_line_wrapped_security_token_is_bad_configuration_and_never_shown(tmp_
         assert "Tok-Secret" not in text and "Line-Two" not in text
 
 
-@pytest.fixture
-def hanging_endpoint():
-    """Accepts connections and never answers."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    held = []
-
-    def accept():
-        while True:
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
-    for connection in held:
-        connection.close()
-
-
-def _refusing_endpoint():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{probe.getsockname()[1]}"
-
-
 @pytest.mark.parametrize("kind", ["hanging", "refusing"])
 def test_a_dead_endpoint_ends_the_run_within_its_budget_naming_endpoint_and_url_once(tmp_path, job_env, request,
                                                                                      kind):
-    endpoint = request.getfixturevalue("hanging_endpoint") if kind == "hanging" else _refusing_endpoint()
+    endpoint = request.getfixturevalue("hanging_endpoint") if kind == "hanging" else refusing_endpoint()
     job_env.update(MA_S3_ENDPOINT=endpoint, OBS_ACCESS_KEY_ID="ak", OBS_SECRET_ACCESS_KEY="sk-secret-value",
                    MA_RUNTIME_STORAGE_RETRY_SECONDS="3", MA_RUNTIME_CODE_URL="obs://bucket/code/")
     started = time.monotonic()

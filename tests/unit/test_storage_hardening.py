@@ -19,7 +19,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import AccessDenied, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.stores import open_store
-from tests.storage_env import ACCESS_KEY, SECRET_KEY
+from tests.storage_env import ACCESS_KEY, SECRET_KEY, refusing_endpoint
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -700,35 +699,9 @@ def test_the_socket_timeout_never_exceeds_the_retry_budget(tmp_path):
         assert (store._reads._timeout, store._client.timeout) == (expected, expected), budget
 
 
-@pytest.fixture
-def hanging_endpoint():
-    """Accepts connections and never answers."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    held = []
-
-    def accept():
-        while True:
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
-    for connection in held:
-        connection.close()
-
-
-def _refusing_endpoint():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{probe.getsockname()[1]}"  # closed on return: nothing listens there
-
-
 @pytest.mark.parametrize("kind", ["hanging", "refusing"])
 def test_a_dead_endpoint_fails_within_the_budget_and_one_timeout_naming_it(tmp_path, request, kind):
-    endpoint = request.getfixturevalue("hanging_endpoint") if kind == "hanging" else _refusing_endpoint()
+    endpoint = request.getfixturevalue("hanging_endpoint") if kind == "hanging" else refusing_endpoint()
     env = {"MA_S3_ENDPOINT": endpoint, "OBS_ACCESS_KEY_ID": ACCESS_KEY, "OBS_SECRET_ACCESS_KEY": SECRET_KEY,
            "MA_HOME": str(tmp_path), "MA_RUNTIME_STORAGE_RETRY_SECONDS": "2"}
     spec = job_spec.load({}, env)
