@@ -13,7 +13,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import BinaryIO, Callable, Optional, Union
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -77,6 +77,50 @@ def write_atomically_from(path: Union[str, Path], write: Callable[[BinaryIO], ob
         except FileNotFoundError:
             pass
         raise
+
+
+# The runtime's own records (a download's journal of 10^5 keys is a few MB): more is not one of them.
+RECORD_LIMIT = 64 << 20
+
+
+class TooLarge(OSError):
+    """A file over the size its reader allows; `size` is what it holds (or at least how much was found)."""
+
+    def __init__(self, path: Union[str, Path], size: int, limit: int):
+        super().__init__(errno.EFBIG, f"{size} bytes, over the {limit} a reader of it takes", str(path))
+        self.size = size
+
+
+def read_regular(path: Union[str, Path], limit: int) -> Optional[bytes]:
+    """The bytes of a regular file, None when there is none: the one reader of what the runtime is given or
+    keeps (a job file, a rank table, its records, the termination file).
+
+    Opened O_NONBLOCK, so a FIFO at the path is refused (NotAFile, like a device or a directory) instead
+    of waited on for a writer; a file over `limit` bytes is refused (TooLarge) from its size, before it is
+    read, and if it grows past `limit` while read. The size fstat gives sizes the first read: one read
+    for a whole file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise NotAFile(path, kind_of(status.st_mode))
+        if status.st_size > limit:
+            raise TooLarge(path, status.st_size, limit)
+        chunks, total = [], 0
+        while total <= limit:  # one byte past the limit tells a file that grew
+            chunk = os.read(fd, min(limit + 1 - total, max(status.st_size - total + 1, 1 << 16)))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise TooLarge(path, total, limit)
+    return b"".join(chunks)
 
 
 def open_append(path: Union[str, Path]) -> int:

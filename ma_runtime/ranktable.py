@@ -41,7 +41,6 @@ import math
 import os
 import re
 import socket
-import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -457,53 +456,20 @@ def read_table(path: Path) -> str:
     """The file's text, for every reader of a rank table. NotYet for what a writer may still change;
     RankTableError for what it never will (see the module's docstring)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the reader
-    except OSError as exc:
-        raise _unreadable(path, exc) from None
-    try:
-        data = _read_regular(fd, path)
-    except OSError as exc:
-        raise _unreadable(path, exc) from None
-    finally:
-        os.close(fd)
-    return _decode(data, path)
-
-
-def _unreadable(path: Path, exc: OSError) -> NotYet:
-    state = "missing" if isinstance(exc, FileNotFoundError) else f"unreadable ({exc.__class__.__name__})"
-    return NotYet(state, f"cannot read the rank table {path}: {exc.strerror or exc}")
-
-
-def _read_regular(fd: int, path: Path) -> bytes:
-    status = os.fstat(fd)
-    if not stat.S_ISREG(status.st_mode):  # a device or FIFO never becomes a table: no waiting for it
-        raise RankTableError(f"{path} is {files.kind_of(status.st_mode)}, not a rank table (expected a JSON file)",
+        data = files.read_regular(path, MAX_TABLE_BYTES)  # non-blocking: a FIFO is refused, not waited on
+    except files.NotAFile as exc:  # a device or FIFO never becomes a table: no waiting for it
+        raise RankTableError(f"{path} is {exc.kind}, not a rank table (expected a JSON file)",
                              hint="a rank table is the platform's jobstart_hccl.json (RANK_TABLE_FILE names it or "
-                                  "its folder)")
-    if status.st_size > MAX_TABLE_BYTES:
-        raise _too_big(path, status.st_size)
-    data = _read_at_most(fd, MAX_TABLE_BYTES + 1, status.st_size)  # one byte more: a file that grew past the bound
-    if len(data) > MAX_TABLE_BYTES:
-        raise _too_big(path, len(data))
-    return data
-
-
-def _too_big(path: Path, size: int) -> RankTableError:
-    return RankTableError(f"{path} is {size} bytes, over the {MAX_TABLE_BYTES >> 20} MiB a rank table may have "
-                          f"(4096 servers of 16 devices take 11 MB)")
-
-
-def _read_at_most(fd: int, limit: int, expected: int) -> bytes:
-    """Up to `limit` bytes; `expected` (the size fstat gave) sizes the first read, so a table is one read."""
-    chunks = []
-    total = 0
-    while total < limit:
-        chunk = os.read(fd, min(limit - total, max(expected - total + 1, 1 << 16)))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        total += len(chunk)
-    return b"".join(chunks)
+                                  "its folder)") from None
+    except files.TooLarge as exc:
+        raise RankTableError(f"{path} is {exc.size} bytes, over the {MAX_TABLE_BYTES >> 20} MiB a rank table may "
+                             "have (4096 servers of 16 devices take 11 MB)") from None
+    except OSError as exc:
+        raise NotYet(f"unreadable ({exc.__class__.__name__})",
+                     f"cannot read the rank table {path}: {exc.strerror or exc}") from None
+    if data is None:
+        raise NotYet("missing", f"cannot read the rank table {path}: No such file or directory")
+    return _decode(data, path)
 
 
 def _decode(data: bytes, path: Path) -> str:

@@ -459,14 +459,18 @@ def _read_job_file(path: Path) -> Dict[str, Any]:
 
 
 def _read_bounded(path: Path) -> str:
+    from ma_runtime import files
+
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_JOB_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"job file {path}: cannot read it: {exc.strerror or exc}") from None
-    if len(data) > MAX_JOB_FILE_BYTES:
+        data = files.read_regular(path, MAX_JOB_FILE_BYTES)
+    except files.TooLarge:
+        hint = "a job file holds settings, inputs and hyperparameters; data belongs in inputs"
         raise ConfigError(f"job file {path} is over {MAX_JOB_FILE_BYTES >> 20} MiB: not a job file",
-                          hint="a job file holds settings, inputs and hyperparameters; data belongs in inputs")
+                          hint=hint) from None
+    except OSError as exc:  # NotAFile too: replaced by a FIFO since it was looked at
+        raise ConfigError(f"job file {path}: cannot read it: {exc.strerror or exc}") from None
+    if data is None:
+        raise ConfigError(f"job file {path}: no such job file", hint="give the path of a YAML job file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

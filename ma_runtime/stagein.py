@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ma_runtime.errors import ConfigError
-from ma_runtime.files import write_atomically
+from ma_runtime.files import RECORD_LIMIT, read_regular, write_atomically
 from ma_runtime.spec import Channel, JobSpec
 from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import StorageError
-from ma_runtime.storage.safety import read_regular
 
 # (total bytes, files, single file bytes) the platform's console allows (docs/platform.md, "Stage-in").
 LIMITS = {
@@ -177,7 +176,7 @@ class _Record:
         self.entries: Dict[str, str] = {}
         if reuse:
             try:
-                loaded = json.loads(read_regular(path) or b"{}")  # a FIFO there is refused, not waited on
+                loaded = json.loads(read_regular(path, RECORD_LIMIT) or b"{}")  # a FIFO there is refused, not waited on
             except (OSError, ValueError):
                 loaded = {}  # what cannot be read is fetched again; writing the record then says what is wrong
             self.entries = loaded if isinstance(loaded, dict) else {}

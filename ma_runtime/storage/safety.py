@@ -17,7 +17,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
-from ma_runtime.files import NotAFile, kind_of
+from ma_runtime.files import kind_of
 
 NAME_MAX = 255  # bytes in one path part (Linux)
 PATH_MAX = 4096  # bytes in a path, its terminating NUL included
@@ -164,29 +164,3 @@ def conflicts(files: List[str], folders: Iterable[str]) -> List[Optional[str]]:
             reasons.append(None)
         seen.add(path)
     return reasons
-
-
-def read_regular(path: Union[str, Path], limit: int = 64 << 20) -> Optional[bytes]:
-    """The bytes of the runtime's own record at `path` (up to `limit`), or None when there is none.
-
-    Raises NotAFile for anything but a regular file: a FIFO planted there must be refused, not
-    waited on for a writer (hence O_NONBLOCK), and a directory is not a record."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotAFile(path, kind_of(mode))
-        chunks = []
-        size = 0
-        while size < limit:
-            chunk = os.read(fd, min(1 << 20, limit - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)

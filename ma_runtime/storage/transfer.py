@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
-from ma_runtime.files import NotAFile, kind_of, open_append, write_atomically
+from ma_runtime.files import RECORD_LIMIT, NotAFile, kind_of, open_append, read_regular, write_atomically
 from ma_runtime.storage import safety
 from ma_runtime.storage.base import CorruptTransfer, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.progress import MB, Progress
@@ -790,7 +790,7 @@ class _Journal:
 
     def _read(self) -> Dict[str, Optional[str]]:
         etags: Dict[str, Optional[str]] = {}
-        data = safety.read_regular(self.path)  # NotAFile (an OSError) for a FIFO or a folder there
+        data = read_regular(self.path, RECORD_LIMIT)  # NotAFile (an OSError) for a FIFO or a folder there
         if not data:
             return etags
         self.torn = not data.endswith(b"\n")
@@ -990,7 +990,7 @@ def _read_json(path: Path) -> Optional[dict]:
     """The record, or None: none yet, or torn (either way there is nothing to resume). NotAFile (an OSError)
     when something else sits there."""
     try:
-        data = json.loads(safety.read_regular(path) or b"null")
+        data = json.loads(read_regular(path, RECORD_LIMIT) or b"null")
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
