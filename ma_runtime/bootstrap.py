@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, logs, stagein, termination
+from ma_runtime import __version__, logs, termination
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import (
     Category,
@@ -39,7 +39,7 @@ _EXPORTED = ("ma_home", "mount_path", "job_dir", "log_dir", "task_name", "task_i
 
 def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], print_config: bool) -> int:
     masker = Masker.from_environ()
-    logs.configure(_early_log_format(), masker=masker)
+    logs.configure(early_log_format(), masker=masker)
     log = logs.get_logger()
     context = _Context(masker)
     _stop_on_signals()
@@ -192,123 +192,18 @@ def _preflight(spec: spec_module.JobSpec, log) -> None:
         )
 
 
-def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Sequence[str], as_json: bool) -> int:
-    """`ma-preflight`: the checks alone, for operators; the report on stdout."""
-    from ma_runtime.preflight import runner
-
-    masker = Masker.from_environ()
-    logs.configure(_early_log_format(), masker=masker)
-    log = logs.get_logger()
-    try:
-        spec = spec_module.load({}, os.environ, config_file)
-    except ConfigError as failure:
-        return _tool_failure(log, failure)
-    logs.configure(spec.log_format, spec.log_level, masker)
-    if spec.skip_image_detect == "0":
-        log.info("MA_SKIP_IMAGE_DETECT=0 turns preflight off in ma-runtime run; running it because it was asked for")
-    report = runner.run(spec, os.environ, runner.select(spec.preflight_checks, only, skip), log)
-    if as_json:
-        sys.stdout.write(json.dumps(masker.data(report.to_dict()), indent=2, default=str) + "\n")
-    else:
-        sys.stdout.write(runner.table(report))
-    if not report.ok:
-        log.error(f"error,exiting: preflight failed: {', '.join(report.failed_items())}")
-    return ExitCode.OK if report.ok else ExitCode.PREFLIGHT_FAILED
 
 
-def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], as_json: bool) -> int:
-    """`ma-runtime plan`: what `run` would start, on stdout; nothing is started or downloaded."""
-    from ma_runtime import ranktable
-
-    masker = Masker.from_environ()
-    logs.configure(_early_log_format(), masker=masker)
-    log = logs.get_logger()
-    try:
-        spec = spec_module.load(flags, os.environ, config_file)
-        if not command:
-            raise ConfigError("no command given", hint="usage: ma-runtime plan [--json] [OPTIONS] [--] CMD...")
-        logs.configure(spec.log_format, spec.log_level, masker)
-        staged = stagein.planned(spec)
-        argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
-        context = plan_module.Context(argv, os.environ, ranktable.peek(spec, os.environ), _resolve_once)
-        plan = plan_module.build(spec, context)
-    except RuntimeFailure as failure:
-        return _tool_failure(log, failure)
-    except Exception as exc:  # a bug of ours: still one line and a code
-        return _tool_failure(log, RuntimeFailure(f"internal error: {type(exc).__name__}: {exc}"))
-    for warning in plan.warnings:  # on stderr too: `--json` readers see the document, people see this
-        log.warning(warning)
-    document = masker.data(plan.to_dict())
-    sys.stdout.write(json.dumps(document, indent=2) + "\n" if as_json else plan_module.render(document))
-    return ExitCode.OK
 
 
-def _resolve_once(host: str) -> str:
-    """One lookup, no waiting: a plan shows the host name when it does not resolve yet."""
-    try:
-        return _resolve_until(host, seconds=0)
-    except LaunchTimedOut:
-        return host
 
 
-def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int:
-    """`ma-runtime ranktable wait`: the table's path on stdout once it says completed."""
-    from ma_runtime import ranktable
-
-    log, spec = _tool_setup()
-    if spec is None:
-        return ExitCode.BAD_CONFIGURATION
-    configured = path or (str(spec.ranktable_file) if spec.ranktable_file else "")
-    if not configured:
-        return _tool_failure(log, ConfigError("no rank table to wait for",
-                                              hint="give PATH, or set RANK_TABLE_FILE"))
-    source = ranktable.locate(configured)
-    try:
-        text = ranktable.wait(source, spec.ranktable_timeout if timeout is None else timeout, log)
-        ranktable.read_any(text, str(source))  # completed, and usable
-    except RuntimeFailure as failure:
-        return _tool_failure(log, failure)
-    sys.stdout.write(f"{source}\n")
-    return ExitCode.OK
 
 
-def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
-    """`ma-runtime ranktable convert IN [OUT]`: template one to OUT (atomically) or stdout."""
-    from ma_runtime import ranktable
-
-    log, spec = _tool_setup()
-    if spec is None:
-        return ExitCode.BAD_CONFIGURATION
-    source = ranktable.locate(source_text)
-    try:
-        # read_table: bounded, a FIFO or device refused; write_atomically: never over what is not a file.
-        document = ranktable.read_any(ranktable.read_table(source), str(source)).template_one()
-        if output:
-            ranktable.write_atomically(Path(output), document)
-        else:
-            sys.stdout.write(ranktable.layout(document))
-    except RuntimeFailure as failure:
-        return _tool_failure(log, failure)
-    return ExitCode.OK
 
 
-def _tool_setup():
-    """Logging and the job settings for an operator's tool; (log, None) after a bad-configuration line."""
-    masker = Masker.from_environ()
-    logs.configure(_early_log_format(), masker=masker)
-    log = logs.get_logger()
-    try:
-        spec = spec_module.load({}, os.environ)
-    except ConfigError as failure:
-        _tool_failure(log, failure)
-        return log, None
-    logs.configure(spec.log_format, spec.log_level, masker)
-    return log, spec
 
 
-def _tool_failure(log, failure: RuntimeFailure) -> int:
-    log.error(f"error,exiting: {failure.reason}", hint=failure.hint or None, exit_code=int(failure.exit_code))
-    return int(failure.exit_code)
 
 
 def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged,
@@ -317,7 +212,7 @@ def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Co
     run_id = context.run_id
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
     argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
-    resolve = functools.partial(_resolve_until, seconds=spec.master_resolve_seconds)
+    resolve = functools.partial(resolve_until, seconds=spec.master_resolve_seconds)
     plan = plan_module.build(spec, plan_module.Context(argv, os.environ, rank_table, resolve))
     for warning in plan.warnings:
         log.warning(warning)
@@ -412,7 +307,7 @@ def _proc_log(planned) -> Optional[Sink]:
         raise ConfigError(f"cannot write the proc log {path}: {exc.strerror}") from None
 
 
-def _resolve_until(host: str, seconds: float) -> str:
+def resolve_until(host: str, seconds: float) -> str:
     """Worker-0's IP (msrun wants one): retried, since a node's DNS record can lag the pod's start."""
     import socket
     import time
@@ -522,7 +417,7 @@ def _tail(worker: Worker, lines: int = TAIL_LINES) -> List[str]:
     return tail_of(worker.pumps, lines, prefer=worker.stderr_pump)
 
 
-def _early_log_format() -> str:
+def early_log_format() -> str:
     # Before the spec is valid, a bad MA_RUNTIME_LOG_FORMAT must not hide the error.
     fmt = (os.environ.get("MA_RUNTIME_LOG_FORMAT") or "logfmt").strip().lower()
     return fmt if fmt in spec_module.LOG_FORMATS else "logfmt"

@@ -64,9 +64,9 @@ def plan_main(argv: Sequence[str]) -> int:
     ours, command = split_command(parser, argv)
     options = parser.parse_args(ours)
     flags = {s.name: getattr(options, s.name) for s in SETTINGS if getattr(options, s.name, None) is not None}
-    from ma_runtime import bootstrap
+    from ma_runtime import commands
 
-    return bootstrap.plan_command(flags, options.config, command, options.json)
+    return commands.plan_command(flags, options.config, command, options.json)
 
 
 def split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -153,11 +153,11 @@ def _seconds(text: str) -> float:
 
 def ranktable_main(argv: Sequence[str]) -> int:
     options = _ranktable_parser().parse_args(list(argv))
-    from ma_runtime import bootstrap
+    from ma_runtime import commands
 
     if options.action == "wait":
-        return bootstrap.ranktable_wait_command(options.path, options.timeout)
-    return bootstrap.ranktable_convert_command(options.input, options.output)
+        return commands.ranktable_wait_command(options.path, options.timeout)
+    return commands.ranktable_convert_command(options.input, options.output)
 
 
 def _preflight_parser(prog: str) -> _Parser:
@@ -184,9 +184,9 @@ def _check_names(text: str):
 
 def preflight_main(argv: Sequence[str], prog: str) -> int:
     options = _preflight_parser(prog).parse_args(list(argv))
-    from ma_runtime import bootstrap
+    from ma_runtime import commands
 
-    return bootstrap.preflight_command(options.config, options.only, options.skip, options.json)
+    return commands.preflight_command(options.config, options.only, options.skip, options.json)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -126,6 +126,7 @@ class Proc(NamedTuple):
 
     state: str  # R, S, D, T, ... (zombies never appear)
     ppid: int
+    pgid: int  # its process group: who a killpg reaches
     start: int  # clock ticks after boot: with the pid, names one process for good (pids are reused)
 
 
@@ -175,10 +176,10 @@ def _stat(pid: str) -> Optional[Proc]:
     except OSError:
         return None
     # comm may contain spaces and parentheses: the fields start after the last ')'
-    # (field 3, state); field 22, the start time, is the 20th.
+    # (field 3, state); then ppid and pgrp; field 22, the start time, is the 20th.
     fields = data[data.rfind(b")") + 2 :].split()
     try:
-        return Proc(fields[0].decode(), int(fields[1]), int(fields[19]))
+        return Proc(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
     except (IndexError, ValueError):
         return None
 
