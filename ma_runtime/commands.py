@@ -54,7 +54,8 @@ def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: 
         logs.configure(spec.log_format, spec.log_level, masker)
         staged = stagein.planned(spec)
         argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
-        context = plan_module.Context(argv, os.environ, ranktable.peek(spec, os.environ), _resolve_once)
+        context = plan_module.Context(argv, os.environ, ranktable.peek(spec, os.environ), _resolve_once,
+                                      attempt=spec.proc_start_cnt)
         plan = plan_module.build(spec, context)
     except RuntimeFailure as failure:
         return _tool_failure(log, failure)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ma_runtime.errors import ConfigError
+from ma_runtime.launch import registry as launch_registry
 
 PLATFORM_HOME = Path("/home/ma-user")
 PREFLIGHT_CHECKS = ("dns", "disk-size", "ulimit", "gpu", "npu")
@@ -115,6 +116,15 @@ def _names(allowed: Sequence[str]) -> Callable[[str], Tuple[str, ...]]:
     return parse
 
 
+def _exit_codes(text: str) -> Tuple[int, ...]:
+    """`93,42`: exit codes, each 1 to 255; empty means none."""
+    words = [word.strip() for word in str(text).split(",") if word.strip()]
+    if len(words) > 255 or not all(_DECIMAL.match(word) and len(word) <= 3 and 1 <= int(word) <= 255
+                                   for word in words):
+        raise BadValue("must list exit codes from 1 to 255, separated by commas (e.g. 93,42)")
+    return tuple(dict.fromkeys(int(word) for word in words))
+
+
 def _targets(text: str) -> Tuple[Tuple[str, Path], ...]:
     """`root=/,shm=/dev/shm,cache=/cache`: disk-size targets and their paths."""
     pairs = []
@@ -190,6 +200,16 @@ SETTINGS: Tuple[Setting, ...] = (
         "seconds between forwarding SIGTERM/SIGINT and SIGKILL",
         15.0,
     ),
+    Setting("max_restarts", "MA_RUNTIME_MAX_RESTARTS", _integer(0, 128), "restarts of a failed command in place "
+            "(0: off)", 0),
+    Setting("no_restart_exit_codes", "MA_RUNTIME_NO_RESTART_EXIT_CODES", _exit_codes, "exit codes that end the job "
+            "without a restart (78 always does)", (93,)),
+    Setting("same_failure_limit", "MA_RUNTIME_SAME_FAILURE_LIMIT", _integer(0, 128), "the same failure this many "
+            "times in a row ends the job (0: no limit)", 3),
+    Setting("restart_backoff_seconds", "MA_RUNTIME_RESTART_BACKOFF_SECONDS", _number(0, 3600), "wait before the "
+            "second restart, doubling for each one after, up to 60 s", 1.0),
+    Setting("device_release_seconds", "MA_RUNTIME_DEVICE_RELEASE_SECONDS", _number(0, 3600), "how long to wait "
+            "for the accelerators to be released before a restart", 60.0),
     Setting("log_format", "MA_RUNTIME_LOG_FORMAT", _choice(LOG_FORMATS), "logfmt or json", "logfmt"),
     Setting("log_level", "MA_RUNTIME_LOG_LEVEL", _choice(LOG_LEVELS), "debug, info, warning or error", "info"),
     *(
@@ -242,7 +262,7 @@ SETTINGS: Tuple[Setting, ...] = (
             "rank table when RANK_TABLE_FILE is set; off: leave it to the command", "auto", cli=False),
     Setting("ranktable_timeout", "MA_RUNTIME_RANKTABLE_TIMEOUT", _seconds, "how long to wait for the rank "
             "table's status=completed, seconds", 1800.0, cli=False),
-    Setting("run_method", "MA_RUN_METHOD", _choice(("rtf", "torchrun", "msrun", "plain")), "launch method: "
+    Setting("run_method", "MA_RUN_METHOD", _choice(launch_registry.METHODS), "launch method: "
             "torchrun, msrun, rtf (one process per NPU) or plain (once); unset: rtf on NPU jobs, else plain",
             cli=False),
     Setting("worker_hosts", "VC_WORKER_HOSTS", str, "the job's node domain names, comma-separated, worker-0 first",
@@ -294,6 +314,11 @@ class JobSpec:
     proc_start_cnt: int
     schedule_cnt: int
     stop_grace_seconds: float
+    max_restarts: int
+    no_restart_exit_codes: Tuple[int, ...]
+    same_failure_limit: int
+    restart_backoff_seconds: float
+    device_release_seconds: float
     log_format: str
     log_level: str
     preflight: bool

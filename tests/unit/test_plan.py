@@ -99,9 +99,9 @@ def no_lookup(host):
     raise AssertionError(f"the plan must not resolve {host}")
 
 
-def build(job_spec, environ, argv=("python", "train.py"), rank_table=None, which=None, resolve=no_lookup):
+def build(job_spec, environ, argv=("python", "train.py"), rank_table=None, which=None, resolve=no_lookup, attempt=1):
     which = which or which_from("torchrun", "msrun", "python")
-    return plan.build(job_spec, plan.Context(list(argv), environ, rank_table, resolve, which))
+    return plan.build(job_spec, plan.Context(list(argv), environ, rank_table, resolve, which, attempt))
 
 
 def template_two(pods):
@@ -408,9 +408,9 @@ def test_appended_arguments_come_after_the_scripts_own_for_every_method(job, tmp
 
 
 def test_msrun_single_node_is_the_documented_command(job, tmp_path):
-    job_spec, environ = job(MA_RUN_METHOD="msrun", MA_NUM_GPUS=8, MA_PROC_START_CNT=2, MA_LOG_DIR=tmp_path / "logs")
+    job_spec, environ = job(MA_RUN_METHOD="msrun", MA_NUM_GPUS=8, MA_LOG_DIR=tmp_path / "logs")
     which = which_from("msrun", "python")
-    result = build(job_spec, environ, ["/opt/venv/bin/python", "train.py", "--epochs", "3"], which=which)
+    result = build(job_spec, environ, ["/opt/venv/bin/python", "train.py", "--epochs", "3"], which=which, attempt=2)
     assert (result.method, result.nodes, result.processes_per_node) == ("msrun", 1, 8)
     (worker,) = result.workers
     log_dir = tmp_path / "logs" / "msrun" / "attempt-2"
@@ -543,11 +543,11 @@ def proc_log(job_spec, rank, logical):
 
 
 def test_rtf_starts_one_process_per_local_device_of_the_second_pod(job, tmp_path):
-    job_spec, environ = job(MA_NUM_HOSTS=2, MA_NUM_GPUS=8, VC_TASK_INDEX=1, MA_VJ_NAME=VJ, MA_PROC_START_CNT=3,
-                            MA_SCHEDULE_CNT=2, RANK_TABLE_FILE=tmp_path / "config")
+    job_spec, environ = job(MA_NUM_HOSTS=2, MA_NUM_GPUS=8, VC_TASK_INDEX=1, MA_VJ_NAME=VJ, MA_SCHEDULE_CNT=2,
+                            RANK_TABLE_FILE=tmp_path / "config")
     table = prepared(tmp_path, job_spec, environ, TWO_BY_EIGHT)
     argv = build_argv(["python", "train.py"], [("lr", "0.1")])
-    result = build(job_spec, environ, argv, rank_table=table, which=which_from())
+    result = build(job_spec, environ, argv, rank_table=table, which=which_from(), attempt=3)
     assert (result.method, result.nodes, result.processes_per_node) == ("rtf", 2, 8)
     assert "RANK_TABLE_FILE" in result.why
     assert [worker.rank for worker in result.workers] == list(range(8, 16))
@@ -621,21 +621,41 @@ def test_rtf_on_a_node_without_devices_is_a_configuration_error(job, tmp_path):
 # --------------------------------------------------------------------------- every plan
 
 
-def every_method(job, tmp_path, **variables):
-    """(method, Plan) for each method, multi node, with the same job counters."""
+def every_method(job, tmp_path, attempt=1, **variables):
+    """(method, Plan) for each method, multi node, with the same job counters and attempt."""
     for method in ("plain", "torchrun", "msrun", "rtf"):
         job_spec, environ = multi_node(job, MA_RUN_METHOD=method, RANK_TABLE_FILE=tmp_path / "config", **variables)
         table = prepared(tmp_path, job_spec, environ, TWO_BY_EIGHT)
         yield method, build(job_spec, environ, ["python", "train.py", "--note=a b"], rank_table=table,
-                            resolve=resolver({HOSTS[0]: "172.16.0.10"}))
+                            resolve=resolver({HOSTS[0]: "172.16.0.10"}), attempt=attempt)
 
 
 def test_every_worker_env_has_the_start_and_schedule_counters(job, tmp_path):
-    for method, result in every_method(job, tmp_path, MA_PROC_START_CNT=4, MA_SCHEDULE_CNT=2):
+    for method, result in every_method(job, tmp_path, attempt=4, MA_SCHEDULE_CNT=2):
         assert result.workers, method
         for worker in result.workers:
             assert worker.env["MA_PROC_START_CNT"] == "4" and worker.env["MA_SCHEDULE_CNT"] == "2", method
             assert all(isinstance(value, str) for value in worker.env.values()), method
+
+
+@pytest.mark.parametrize("attempt", [1, 2, 7])
+def test_the_attempt_not_the_jobs_start_count_numbers_every_worker_and_msruns_log_folder(job, tmp_path, attempt):
+    # MA_PROC_START_CNT as the platform set it when the runtime started is only the first attempt's number:
+    # each relaunch builds its plan with the next attempt, and that is what the workers must see.
+    for method, result in every_method(job, tmp_path, attempt=attempt, MA_PROC_START_CNT=5, MA_LOG_DIR=tmp_path / "l"):
+        for worker in result.workers:
+            assert worker.env["MA_PROC_START_CNT"] == str(attempt), method
+        if method == "msrun":
+            log_dir = str(tmp_path / "l" / "msrun" / f"attempt-{attempt}")
+            assert result.workers[0].logs["msrun"] == log_dir
+            assert f"--log_dir={log_dir}" in result.workers[0].argv
+
+
+def test_a_context_without_an_attempt_is_the_first(job, tmp_path):
+    job_spec, environ = job(MA_RUN_METHOD="msrun", MA_PROC_START_CNT=5, MA_LOG_DIR=tmp_path / "l")
+    result = plan.build(job_spec, plan.Context(["python", "train.py"], environ, which=which_from("msrun", "python")))
+    assert result.workers[0].env["MA_PROC_START_CNT"] == "1"
+    assert result.workers[0].logs["msrun"] == str(tmp_path / "l" / "msrun" / "attempt-1")
 
 
 def test_plan_to_dict_has_the_documented_shape(job, tmp_path):
@@ -732,6 +752,15 @@ def test_cli_plan_json_starts_nothing(cli_env, tmp_path, method):
     if method == "torchrun":
         assert worker["argv"][1:4] == ["--standalone", "--nnodes=1", "--nproc_per_node=2"]
     assert not (tmp_path / "launcher-ran").exists()
+
+
+def test_cli_plan_numbers_the_attempt_from_the_jobs_start_count(cli_env, tmp_path):
+    cli_env.update(MA_RUN_METHOD="msrun", MA_PROC_START_CNT="3", MA_LOG_DIR=str(tmp_path / "l"))
+    result = plan_cli(["--json", "--", "python", "train.py"], cli_env)
+    assert result.returncode == 0, result.stderr
+    (worker,) = json.loads(result.stdout)["workers"]
+    assert worker["env"]["MA_PROC_START_CNT"] == "3"
+    assert worker["logs"]["msrun"] == str(tmp_path / "l" / "msrun" / "attempt-3")
 
 
 def test_cli_plan_masks_a_secret_in_extra_torchrun_params(cli_env, tmp_path):

@@ -1,0 +1,91 @@
+"""msrun: MindSpore's launcher, its flags from the job, and where its ranks write their output.
+
+It forwards no stop to its ranks (read in MindSpore 2.10's
+mindspore/parallel/cluster/process_entity/_api.py):
+- each rank is started with `Popen(..., preexec_fn=os.setsid)`, in a session of
+  its own, outside msrun's process group, its output sent to
+  `<log_dir>/worker_<rank>.log` only;
+- msrun installs no SIGTERM handler: a SIGTERM ends msrun at once and its ranks
+  get nothing;
+- its only handler, SIGINT's (installed by `join_processes`, with --join=True),
+  sends SIGKILL to each running rank's process group and to the scheduler, then
+  exits 0: no stop signal a rank could handle.
+So the supervisor signals the ranks itself, and the rank logs are followed
+from `rank_logs`. Each attempt writes to its own folder, `msrun/attempt-<N>`.
+"""
+
+import os
+import shlex
+from typing import Any, Mapping, Optional, Sequence, Set
+
+from ma_runtime.errors import ConfigError
+from ma_runtime.launch.base import (
+    PYTHON,
+    Context,
+    Plan,
+    RootCause,
+    WorkerPlan,
+    check_node_rank,
+    common_env,
+    find_launcher,
+    master_host,
+    per_node,
+    python_folder,
+)
+
+NAME = "msrun"
+TAKES_NPROC_PER_NODE = True
+# After a stop: msrun's SIGINT handler kills the ranks and exits 0; a SIGTERM kills msrun itself.
+OWN_CODE_AFTER_STOP = False
+_RANK_LOGS = "msrun"  # the worker's logs key for the folder of its ranks' logs
+
+
+def build(spec, context: Context, why: str) -> Plan:
+    launcher = find_launcher(context, "msrun", "mindspore (pip install mindspore)")
+    argv = list(context.argv)
+    if not (len(argv) >= 2 and PYTHON.match(os.path.basename(argv[0])) and argv[1].endswith(".py")):
+        raise ConfigError(f"msrun runs a Python script, and the command is {shlex.join(argv)!r}",
+                          hint="give the command as `python SCRIPT.py ARGS...`")
+    count = per_node(spec)
+    if spec.num_hosts > 1:
+        check_node_rank(spec)
+    master = "127.0.0.1" if spec.num_hosts <= 1 else context.resolve(master_host(spec, context.environ))
+    log_dir = spec.log_dir / "msrun" / f"attempt-{context.attempt}"
+    command = [launcher, f"--worker_num={spec.num_hosts * count}", f"--local_worker_num={count}",
+               f"--master_addr={master}", f"--node_rank={spec.task_index}",
+               f"--master_port={spec.msrun_master_port}", f"--log_dir={log_dir}", "--join=True",
+               f"--cluster_time_out={spec.msrun_cluster_time_out}",
+               # No `tail -f` children: the runtime follows the rank logs itself, with rank prefixes. ("-1" means
+               # all ranks; a rank that does not exist means none: msrun warns once per rank about it.)
+               "--tail_worker_log=-2"]
+    if spec.ms_ranktable_enable:
+        if context.rank_table is None:
+            raise ConfigError("MS_RANKTABLE_ENABLE=True, but there is no rank table to give msrun",
+                              hint="set RANK_TABLE_FILE (the platform does on NPU jobs), or unset MS_RANKTABLE_ENABLE")
+        command.append(f"--rank_table_file={context.rank_table.path}")
+    command += argv[1:]
+    env = {**common_env(spec, context.attempt), "PATH": _python_first(context)}
+    worker = WorkerPlan(NAME, tuple(command), env, logs={"task": str(spec.task_log_path), _RANK_LOGS: str(log_dir)})
+    return Plan(NAME, why, (worker,), spec.num_hosts, count)
+
+
+def _python_first(context: Context) -> str:
+    """PATH with the command's Python first: msrun starts ranks with `python` from PATH, not its own."""
+    path = context.environ.get("PATH", os.defpath)
+    folder = python_folder(context)
+    if not folder:
+        raise ConfigError(f"{context.argv[0]} is not on PATH", hint="name the job's interpreter by its full path")
+    return os.pathsep.join([folder, *(part for part in path.split(os.pathsep) if part and part != folder)])
+
+
+def forwards_to(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+    return set()  # see the module docstring: SIGTERM reaches no rank, SIGINT only SIGKILLs them
+
+
+def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
+    return None
+
+
+def rank_logs(plan: Plan) -> Optional[str]:
+    """The folder the ranks write `worker_<rank>.log` to."""
+    return plan.workers[0].logs.get(_RANK_LOGS)

@@ -1,0 +1,18 @@
+"""The launchers by MA_RUN_METHOD name: one module each in this package (launch/base.py names their interface).
+
+spec.py reads METHODS at start-up to validate MA_RUN_METHOD, so this module
+imports nothing heavy: a launcher module is imported by name only when the plan
+asks for it. Adding a launcher is its module plus its name here.
+"""
+
+import importlib
+from types import ModuleType
+
+# The order of the list of valid values in the error for a bad MA_RUN_METHOD.
+METHODS = ("rtf", "torchrun", "msrun", "plain")
+
+
+def launcher(name: str) -> ModuleType:
+    if name not in METHODS:
+        raise ValueError(f"no launcher {name!r}: the launchers are {', '.join(METHODS)}")
+    return importlib.import_module(f"{__package__}.{name}")

@@ -1,0 +1,67 @@
+"""The rank-table launch (RTF): one process per device the rank table gives this node.
+
+Each rank is the runtime's own worker, in its own process group: no launcher
+stands between, so nothing forwards a stop (the supervisor signals each group
+once), each exit code is the rank's own, and each rank's output comes through
+the runtime's pipes (and into its proc log).
+"""
+
+from typing import Any, Mapping, Optional, Sequence, Set
+
+from ma_runtime.errors import ConfigError
+from ma_runtime.launch.base import Context, Plan, RootCause, WorkerPlan, common_env
+
+NAME = "rtf"
+TAKES_NPROC_PER_NODE = False  # the rank table's count; a setting that asks for another is an error
+OWN_CODE_AFTER_STOP = True  # after a stop: each rank's own
+
+
+def build(spec, context: Context, why: str) -> Plan:
+    prepared = context.rank_table
+    if prepared is None:
+        raise ConfigError("the rank-table launch needs a rank table: RANK_TABLE_FILE is unset, or "
+                          "MA_RUNTIME_RANKTABLE=off",
+                          hint="set RANK_TABLE_FILE (the platform does on NPU jobs), or choose another MA_RUN_METHOD "
+                               "(torchrun, msrun, plain)")
+    node = prepared.node
+    if not node.devices:
+        raise ConfigError(f"the rank table gives this node ({node.server_id}) no devices: nothing to start")
+    if spec.nproc_per_node not in (None, len(node.devices)):
+        raise ConfigError(f"MA_RUNTIME_NPROC_PER_NODE={spec.nproc_per_node}, but the rank-table launch starts one "
+                          f"process per device, and the rank table gives this node ({node.server_id}) "
+                          f"{len(node.devices)} device(s)",
+                          hint="unset MA_RUNTIME_NPROC_PER_NODE, or choose MA_RUN_METHOD=torchrun or msrun")
+    workers = [_rank(spec, context, prepared, device) for device in node.devices]
+    return Plan(NAME, why, tuple(workers), spec.num_hosts, len(workers))
+
+
+def _rank(spec, context: Context, prepared, device) -> WorkerPlan:
+    logical = str(device.logical_id)
+    env = {
+        **common_env(spec, context.attempt),
+        "RANK_TABLE_FILE": str(prepared.path),
+        "RANK_ID": str(device.rank_id),
+        "RANK_SIZE": str(prepared.node.rank_size),
+        # Logical ids, as the container numbers its visible devices (ACL, MindSpore's
+        # set_context(device_id=...)); the physical id is in the rank table.
+        "ASCEND_DEVICE_ID": logical,
+        "DEVICE_ID": logical,
+        "JOB_ID": spec.job_id,
+        # The platform's upload layout (docs/platform.md, "Logs").
+        "ASCEND_PROCESS_LOG_PATH": str(spec.log_dir / "ascend" / "process_log" / f"rank_{device.rank_id}"),
+    }
+    proc_log = spec.log_dir / f"modelarts-job-{spec.job_id}-proc-rank-{device.rank_id}-device-{logical}.txt"
+    return WorkerPlan(f"rank-{device.rank_id}", tuple(context.argv), env, logs={"proc": str(proc_log)},
+                      rank=device.rank_id)
+
+
+def forwards_to(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+    return set()
+
+
+def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
+    return None
+
+
+def rank_logs(plan: Plan) -> Optional[str]:
+    return None

@@ -1,0 +1,168 @@
+"""torchrun: the launcher's flags from the job, how it stops its ranks, and the rank that failed first.
+
+How it stops its ranks (read in torch 2.13's torch/distributed/elastic):
+- each rank is started by `SubprocessHandler._popen` with `start_new_session=True`:
+  the rank leads a process group of its own, outside torchrun's;
+- `PContext.start` (multiprocessing/api.py) installs `_terminate_process_handler`
+  for SIGTERM, SIGINT, SIGHUP and SIGQUIT (TORCHELASTIC_SIGNALS_TO_HANDLE) before
+  the first rank is spawned; it raises `SignalException(sigval)`;
+- `SimpleElasticAgent.run` (agent/server/api.py) catches it and calls
+  `_shutdown(sigval)`, i.e. `SubprocessContext._close(sigval)`: for each rank
+  still running (`proc.poll() is None`), `os.killpg(rank_pid, sigval)`: the same
+  signal torchrun received, to the rank's whole group; then it waits up to
+  `--shutdown_timeout` (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) and sends SIGKILL
+  the same way to the groups of the ranks still running.
+So the processes torchrun signals are those whose process group is led by one
+of its living children. Not signalled by it: a rank's descendant that left the
+group (setsid), and the rest of a group whose leader, the rank, already exited
+(torchrun skips a rank that poll() finds finished). A stopped (T) torchrun runs
+no handler until it is continued, so it forwards nothing meanwhile.
+
+Its root cause: torchrun exits 1 whatever its ranks did; its summary on stderr
+names the first observed failure, e.g.:
+
+    Root Cause (first observed failure):
+    [0]:
+      time      : 2026-11-22_05:00:49
+      host      : localhost
+      rank      : 1 (local_rank: 1)
+      exitcode  : 3 (pid: 19876)
+
+The runtime reports that rank and its exit code instead of torchrun's 1.
+"""
+
+import re
+import shlex
+from typing import Any, List, Mapping, Optional, Sequence, Set
+
+from ma_runtime.errors import ConfigError
+from ma_runtime.launch.base import (
+    PYTHON,
+    Context,
+    Plan,
+    RootCause,
+    Size,
+    WorkerPlan,
+    check_node_rank,
+    common_env,
+    find_launcher,
+    master_host,
+    per_node,
+)
+
+NAME = "torchrun"
+TAKES_NPROC_PER_NODE = True
+# After a stop: torchrun's agent raises SignalException and exits 1, whatever its ranks did.
+OWN_CODE_AFTER_STOP = False
+_COUNT = re.compile(r"[0-9]+\Z")
+_ROOT = "Root Cause (first observed failure):"
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+# A process that runs no signal handler until it is continued: stopped by a signal, or by a tracer.
+_STOPPED = ("T", "t")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def build(spec, context: Context, why: str) -> Plan:
+    launcher = find_launcher(context, "torchrun", "torch (pip install torch)")
+    count = per_node(spec)
+    if spec.num_hosts <= 1:
+        preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}"]
+    else:
+        check_node_rank(spec)
+        preset = [f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}", f"--node_rank={spec.task_index}",
+                  f"--master_addr={master_host(spec, context.environ)}",
+                  f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
+                  "--rdzv_backend=static"]
+    extra = _split_extra(spec.extra_torchrun_params)
+    flags = [*_without_flags(preset, _flag_names(extra)), *extra]
+    argv = [launcher, *flags, *_program(context.argv)]
+    worker = WorkerPlan(NAME, tuple(argv), common_env(spec, context.attempt), logs={"task": str(spec.task_log_path)})
+    # What torchrun will do, so read from its flags (MA_EXTRA_TORCHRUN_PARAMS may have replaced the preset ones).
+    return Plan(NAME, why, (worker,), _flag_value(flags, "nnodes"), _flag_value(flags, "nproc_per_node"))
+
+
+def _program(argv: Sequence[str]) -> List[str]:
+    """`python SCRIPT ARGS` -> `SCRIPT ARGS` (torchrun runs it with its Python); anything else, an interpreter
+    named by its path included, runs as a program (`--no-python`), so the job's own interpreter runs it."""
+    if len(argv) >= 2 and PYTHON.match(argv[0]) and not argv[1].startswith("-"):
+        return list(argv[1:])
+    return ["--no-python", *argv]
+
+
+def _split_extra(text: str) -> List[str]:
+    """Split like a shell would, never evaluated."""
+    try:
+        return shlex.split(text or "")
+    except ValueError as exc:
+        raise ConfigError(f"MA_EXTRA_TORCHRUN_PARAMS cannot be split ({exc}): {text!r}",
+                          hint="balance the quotes") from None
+
+
+def _flag_name(token: str) -> Optional[str]:
+    # torchrun takes --nproc-per-node and --nproc_per_node alike.
+    return token[2:].split("=", 1)[0].replace("-", "_") if token.startswith("--") and len(token) > 2 else None
+
+
+def _flag_names(tokens: Sequence[str]) -> set:
+    return {name for name in map(_flag_name, tokens) if name}
+
+
+def _without_flags(preset: Sequence[str], names: set) -> List[str]:
+    """A flag the extra parameters name replaces the preset one instead of appearing twice."""
+    return [token for token in preset if _flag_name(token) not in names]
+
+
+def _flag_value(flags: Sequence[str], name: str) -> Size:
+    """The value torchrun takes for `--<name>` from its own flags: `--name=V` or `--name V`, the last one given
+    winning (argparse's rule); a count as a number, anything else as given."""
+    value = ""
+    for index, token in enumerate(flags):
+        if _flag_name(token) != name:
+            continue
+        spelled, equals, value = token.partition("=")
+        if not equals:
+            following = flags[index + 1] if index + 1 < len(flags) else ""
+            value = "" if following.startswith("-") else following
+        if not value:
+            raise ConfigError(f"MA_EXTRA_TORCHRUN_PARAMS gives {spelled} no value",
+                              hint=f"write it {spelled}=VALUE")
+    return int(value) if _COUNT.match(value) else value
+
+
+# --------------------------------------------------------------------------- stopping, failing
+
+
+def forwards_to(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+    """Every process in a group led by one of torchrun's living children (its ranks), while torchrun is alive
+    and able to run its handler."""
+    launcher = table.get(launcher_pid)
+    if launcher is None or launcher.state in _STOPPED:
+        return set()
+    ranks = {pid for pid, proc in table.items() if proc.ppid == launcher_pid}
+    return {pid for pid, proc in table.items() if proc.pgid in ranks}
+
+
+def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
+    """The root cause from the last summary in `lines` (the launcher's output tail), or None."""
+    start = max((index for index, line in enumerate(lines) if _ROOT in line), default=None)
+    if start is None:
+        return None
+    rank = returncode = None
+    for line in lines[start + 1:]:
+        rank = rank if rank is not None else _first_int(_RANK, line)
+        returncode = returncode if returncode is not None else _first_int(_EXIT, line)
+    if rank is None or returncode is None:
+        return None
+    return RootCause(rank, returncode)
+
+
+def _first_int(pattern: "re.Pattern[str]", line: str) -> Optional[int]:
+    found = pattern.match(line)
+    return int(found.group(1)) if found else None
+
+
+def rank_logs(plan: Plan) -> Optional[str]:
+    return None  # its ranks' output comes through torchrun's own, which the runtime pipes

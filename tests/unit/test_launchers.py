@@ -1,0 +1,229 @@
+"""One module per launcher: the registry, each launcher's interface, and how each one forwards a stop.
+
+torchrun's forwarding is checked twice: against a hand-built process table
+(every case the rule names), and against the real torchrun, whose ranks count
+the signals they receive.
+"""
+
+import importlib
+import os
+import pkgutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ma_runtime.launch import failures, registry
+from ma_runtime.launch import plan as plan_module
+from ma_runtime.launch.base import Context, Plan, RootCause, WorkerPlan
+from ma_runtime.supervise.worker import Proc, processes
+from tests.conftest import MA_RUNTIME, alive, wait_for_file
+
+LAUNCH_FOLDER = Path(plan_module.__file__).parent
+TORCHRUN_SUMMARY = [
+    "Root Cause (first observed failure):",
+    "[0]:",
+    "  time      : 2026-11-22_05:00:49",
+    "  rank      : 1 (local_rank: 1)",
+    "  exitcode  : 3 (pid: 19876)",
+]
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def launcher_modules():
+    """The modules of launch/ that build a plan, whether registered or not (plan.py is the dispatcher)."""
+    names = set()
+    for info in pkgutil.iter_modules([str(LAUNCH_FOLDER)]):
+        module = importlib.import_module(f"ma_runtime.launch.{info.name}")
+        if info.name != "plan" and hasattr(module, "build"):
+            names.add(info.name)
+    return names
+
+
+def test_the_registry_lists_every_launcher_module_and_nothing_else():
+    assert launcher_modules() == set(registry.METHODS)
+    assert registry.METHODS == ("rtf", "torchrun", "msrun", "plain")
+    assert plan_module.METHODS == registry.METHODS
+
+
+@pytest.mark.parametrize("name", registry.METHODS)
+def test_each_launcher_has_the_whole_interface(name):
+    module = registry.launcher(name)
+    assert module.__name__ == f"ma_runtime.launch.{name}" and name == module.NAME
+    assert isinstance(module.TAKES_NPROC_PER_NODE, bool)
+    assert isinstance(module.OWN_CODE_AFTER_STOP, bool)
+    for function in ("build", "forwards_to", "root_cause", "rank_logs"):
+        assert callable(getattr(module, function)), function
+
+
+def test_an_unknown_launcher_is_refused_by_name():
+    with pytest.raises(ValueError, match="bogus.*rtf, torchrun, msrun, plain"):
+        registry.launcher("bogus")
+    with pytest.raises(ValueError):
+        registry.launcher("base")  # a module of launch/, not a launcher
+
+
+def test_reading_the_methods_at_start_up_imports_no_launcher():
+    script = ("import sys, ma_runtime.spec; "
+              "print(*sorted(m for m in sys.modules if m.startswith('ma_runtime.launch')))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ma_runtime.launch", "ma_runtime.launch.registry"]
+
+
+def test_a_bogus_method_is_one_line_naming_the_valid_ones(job_env):
+    job_env["MA_RUN_METHOD"] = "bogus"
+    result = subprocess.run([MA_RUNTIME, "plan", "--", "python", "train.py"], env=job_env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 78 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert "MA_RUN_METHOD='bogus' must be one of rtf, torchrun, msrun, plain" in line
+    assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- root cause, rank logs
+
+
+def test_only_torchrun_finds_a_root_cause_in_its_output():
+    assert registry.launcher("torchrun").root_cause(TORCHRUN_SUMMARY) == RootCause(1, 3)
+    for name in ("plain", "rtf", "msrun"):
+        assert registry.launcher(name).root_cause(TORCHRUN_SUMMARY) is None, name
+
+
+def test_the_old_failures_module_is_torchruns_parser():
+    assert failures.torchrun_root_cause(TORCHRUN_SUMMARY) == RootCause(1, 3)
+    assert failures.RootCause is RootCause
+
+
+def test_only_msrun_has_a_rank_log_folder(tmp_path):
+    folder = str(tmp_path / "msrun" / "attempt-2")
+    msrun_plan = Plan("msrun", "test", (WorkerPlan("msrun", ("msrun",), {}, logs={"msrun": folder}),), 1, 2)
+    assert registry.launcher("msrun").rank_logs(msrun_plan) == folder
+    for name in ("plain", "rtf", "torchrun"):
+        other = Plan(name, "test", (WorkerPlan(name, ("x",), {}, logs={"task": "t.log"}),), 1, 1)
+        assert registry.launcher(name).rank_logs(other) is None, name
+
+
+def test_the_attempt_defaults_to_the_first():
+    assert Context(["python"], {}).attempt == 1
+
+
+# --------------------------------------------------------------------------- forwarding a stop
+
+TORCHRUN_PID = 200
+TABLE = {
+    100: Proc("S", 1, 100, 0),  # ma-run
+    TORCHRUN_PID: Proc("S", 100, TORCHRUN_PID, 1),
+    201: Proc("S", TORCHRUN_PID, 201, 2),  # rank 0, leading its own group
+    202: Proc("R", TORCHRUN_PID, 202, 2),  # rank 1
+    210: Proc("S", TORCHRUN_PID, TORCHRUN_PID, 2),  # a helper of torchrun's own, in torchrun's group
+    301: Proc("S", 201, 201, 3),  # a child of rank 0, in its group: killpg reaches it
+    302: Proc("S", 202, 202, 3),
+    311: Proc("S", 301, 201, 4),  # a grandchild, still in rank 0's group
+    320: Proc("S", 201, 320, 3),  # a grandchild that left the group by setsid
+    321: Proc("S", 320, 320, 4),  # and its own child
+    330: Proc("S", 1, 203, 3),  # left in the group of a rank that exited: torchrun skips that rank
+}
+
+
+def test_torchrun_forwards_to_every_process_in_its_childrens_groups():
+    assert registry.launcher("torchrun").forwards_to(TORCHRUN_PID, TABLE) == {201, 202, 301, 302, 311}
+
+
+def test_torchrun_absent_from_the_table_forwards_nothing():
+    table = {pid: proc for pid, proc in TABLE.items() if pid != TORCHRUN_PID}
+    assert registry.launcher("torchrun").forwards_to(TORCHRUN_PID, table) == set()
+
+
+@pytest.mark.parametrize("state", ["T", "t"])
+def test_a_stopped_torchrun_forwards_nothing(state):
+    table = {**TABLE, TORCHRUN_PID: TABLE[TORCHRUN_PID]._replace(state=state)}
+    assert registry.launcher("torchrun").forwards_to(TORCHRUN_PID, table) == set()
+
+
+@pytest.mark.parametrize("name", ["plain", "rtf", "msrun"])
+def test_the_other_launchers_forward_nothing(name):
+    assert registry.launcher(name).forwards_to(TORCHRUN_PID, TABLE) == set()
+
+
+# The real torchrun: each rank starts a child in its group and a setsid escapee, and
+# every one of them records the stop signals it gets; the escapee blocks them, so
+# that one sent to it stays pending where the test can see it.
+RANK_SCRIPT = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+
+    out, role = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "rank"
+
+    def record(signum, frame):
+        with open(os.path.join(out, f"signal-{os.getpid()}"), "w") as f:
+            f.write(signal.Signals(signum).name)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, record)
+    signal.signal(signal.SIGINT, record)
+    if role == "escapee":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    if role == "rank":
+        subprocess.Popen([sys.executable, __file__, out, "group-child"])
+        subprocess.Popen([sys.executable, __file__, out, "escapee"], start_new_session=True)
+    with open(os.path.join(out, f"tmp-{os.getpid()}"), "w") as f:
+        f.write(role)
+    os.rename(os.path.join(out, f"tmp-{os.getpid()}"), os.path.join(out, f"ready-{os.getpid()}"))
+    time.sleep(120)
+""")
+
+
+def started(out: Path, count: int, timeout: float = 120.0):
+    """{pid: role} once `count` processes have said they are ready."""
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("ready-*"))) < count:
+        assert time.monotonic() < deadline, f"{count} processes did not start within {timeout} s"
+        time.sleep(0.05)
+    return {int(path.name.split("-")[1]): path.read_text() for path in out.glob("ready-*")}
+
+
+def pending_signals(pid: int) -> int:
+    """The signals sent to `pid` that it has not taken yet (blocked ones stay here), as a bit mask."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
+def test_the_real_torchrun_signals_exactly_the_processes_forwards_to_names(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    script, out = tmp_path / "rank.py", tmp_path / "out"
+    script.write_text(RANK_SCRIPT)
+    out.mkdir()
+    argv = [str(torchrun), "--standalone", "--nnodes=1", "--nproc_per_node=2", "--no-python", sys.executable,
+            str(script), str(out)]
+    with open(tmp_path / "torchrun.log", "wb") as log:
+        launcher = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    roles = {}
+    try:
+        roles = started(out, 6)
+        forwarded = registry.launcher("torchrun").forwards_to(launcher.pid, processes())
+        assert forwarded == {pid for pid, role in roles.items() if role != "escapee"}
+        os.kill(launcher.pid, signal.SIGTERM)
+        launcher.wait(timeout=90)
+        for pid in forwarded:
+            assert wait_for_file(out / f"signal-{pid}", timeout=30).read_text() == "SIGTERM"
+        for pid in (pid for pid, role in roles.items() if role == "escapee"):
+            assert alive(pid) and pending_signals(pid) == 0, "torchrun signalled a process outside its ranks' groups"
+    finally:
+        stop_all(launcher, roles)
+
+
+def stop_all(launcher: subprocess.Popen, roles) -> None:
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    for pid in roles:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
