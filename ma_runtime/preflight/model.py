@@ -16,6 +16,8 @@ import signal
 import subprocess
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ma_runtime import children
+
 # A message and its fields, which the runner logs while a check is still waiting.
 Progress = Callable[[str, Dict[str, Any]], None]
 
@@ -66,22 +68,26 @@ class ToolError(Exception):
 
 def run_tool(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None) -> Tuple[int, str, str]:
     """(returncode, stdout, stderr) of a short-lived tool; its whole group is killed after `timeout` s."""
-    try:
-        proc = subprocess.Popen(
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
             list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
             start_new_session=True,
         )
+
+    try:
+        # Owned: the supervisor's reaping loop, if it runs meanwhile, must not take the tool's status.
+        with children.owned(start) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # The group, not just the tool: a helper it forked would hold the pipes open.
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise ToolError("timeout", f"{argv[0]} did not answer within {timeout:g} s") from None
     except FileNotFoundError:
         raise ToolError("missing", f"{argv[0]} not found on PATH") from None
     except OSError as exc:
         raise ToolError("failed", f"{argv[0]} could not run: {exc.strerror}") from None
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # The group, not just the tool: a helper it forked would hold the pipes open.
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise ToolError("timeout", f"{argv[0]} did not answer within {timeout:g} s") from None
     return proc.returncode, out, err
 
 

@@ -12,11 +12,12 @@
 
 import ctypes
 import ctypes.util
-import errno
 import os
 import select
 import signal
 from typing import Dict, List, Optional, Sequence
+
+from ma_runtime import children
 
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
@@ -75,6 +76,10 @@ def set_command_line(words: Sequence[str]) -> bool:
     return True
 
 
+# No signal has number 0: the byte `wake` writes.
+_WAKE = 0
+
+
 class SignalQueue:
     """Turns asynchronous signals into numbers read synchronously by the main loop."""
 
@@ -88,7 +93,7 @@ class SignalQueue:
             self._previous[signum] = signal.signal(signum, _ignore_in_python)
 
     def wait(self, timeout: Optional[float]) -> List[int]:
-        """Signals received, in order; [] after `timeout` seconds with none."""
+        """Signals received, in order; [] after `timeout` seconds with none, or after a `wake`."""
         ready, _, _ = select.select([self._read_fd], [], [], timeout)
         if not ready:
             return []
@@ -96,7 +101,14 @@ class SignalQueue:
             data = os.read(self._read_fd, 4096)
         except BlockingIOError:
             return []
-        return list(data)
+        return [signum for signum in data if signum != _WAKE]
+
+    def wake(self) -> None:
+        """Ends a `wait` from another thread (a stage that finished), as a signal would."""
+        try:
+            os.write(self._write_fd, bytes([_WAKE]))
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
 
     def close(self) -> None:
         signal.set_wakeup_fd(-1)
@@ -114,21 +126,48 @@ def reap(tracked: Dict[int, Optional[int]]) -> Dict[int, int]:
     """Reaps every exited child; returns {pid: returncode} for the tracked ones.
 
     returncode follows Popen: the exit status, or -N for death by signal N.
-    Statuses of untracked children (orphans re-parented to us) are discarded.
+    Statuses of untracked children (orphans re-parented to us) are discarded,
+    except those of the tools the runtime waits for itself (`children.owned`):
+    their owner takes them.
     """
     exited: Dict[int, int] = {}
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        except OSError as exc:
-            if exc.errno == errno.EINTR:
-                continue
-            raise
-        if pid == 0:
-            break
-        if pid in tracked:
-            exited[pid] = os.waitstatus_to_exitcode(status)
+    # The tracked first, by pid: a tool's zombie at the head of the list must not delay a worker's exit.
+    for pid in tracked:
+        status = _wait(pid)
+        if status is not None:
+            exited[pid] = status
+    with children.LOCK:
+        while True:
+            found = _peek()
+            # An owned tool's zombie is its owner's (Popen waits for it at once); the orphans
+            # behind it are taken at the next wake-up.
+            if found is None or children.is_owned(found):
+                break
+            status = _wait(found)
+            if found in tracked and status is not None:
+                exited[found] = status
     return exited
 
+
+def _peek() -> Optional[int]:
+    """The pid of an exited child, left unreaped (WNOWAIT), or None."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None
+        except InterruptedError:
+            continue
+        return info.si_pid if info is not None and info.si_pid else None
+
+
+def _wait(pid: int) -> Optional[int]:
+    """The Popen-style status of child `pid` if it has exited (and reaps it), else None."""
+    while True:
+        try:
+            found, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        except InterruptedError:
+            continue
+        return os.waitstatus_to_exitcode(status) if found else None

@@ -1,13 +1,15 @@
-"""The exit code, failing rank and reason of a finished command agree (issue 10, item 19)."""
+"""The verdict: exit code, category, reason, failing rank, for every state of an attempt, one worker or
+several (issue 11), and torchrun's root cause (issue 10, item 19)."""
 
 import types
 
 import pytest
 
-from ma_runtime import bootstrap
+from ma_runtime import verdict
 from ma_runtime.launch import plan as plan_module
+from ma_runtime.launch import torchrun
 from ma_runtime.output import LinePump
-from ma_runtime.supervise.supervisor import Outcome
+from ma_runtime.supervise.supervisor import Outcome, State
 
 SUMMARY = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -18,14 +20,6 @@ Root Cause (first observed failure):
   rank      : 1 (local_rank: 1)
   exitcode  : {code} (pid: 19876)
 """
-
-
-class Recorder:
-    def __init__(self):
-        self.messages = []
-
-    def write_termination(self, **fields):
-        self.messages.append(fields)
 
 
 def torchrun_worker(summary: str):
@@ -49,18 +43,88 @@ def torchrun_plan():
 )
 def test_torchruns_failing_rank_gives_the_code_the_reason_and_the_signal(code, exit_code, reason, signal):
     worker = torchrun_worker(SUMMARY.format(code=code))
-    context = Recorder()
     outcome = Outcome(returncode=1, exit_code=1, worker=worker)  # torchrun's own 1, whatever the ranks did
-    assert bootstrap._finish(outcome, worker, context, torchrun_plan()) == exit_code
-    (message,) = context.messages
-    assert (message["exit_code"], message["rank"], message["reason"], message["signal"]) == (
-        exit_code, 1, reason, signal)
+    found = verdict.of(outcome, torchrun_plan(), torchrun.root_cause)
+    assert (found.state, found.exit_code, found.rank, found.reason, found.signal) == (
+        State.FAILED, exit_code, 1, reason, signal)
 
 
 def test_without_a_summary_torchruns_own_code_stands():
     worker = torchrun_worker("RuntimeError: something else\n")
-    context = Recorder()
-    outcome = Outcome(returncode=1, exit_code=1, worker=worker)
-    assert bootstrap._finish(outcome, worker, context, torchrun_plan()) == 1
-    (message,) = context.messages
-    assert message["reason"] == "the command exited with code 1" and message["rank"] is None
+    found = verdict.of(Outcome(returncode=1, exit_code=1, worker=worker), torchrun_plan(), torchrun.root_cause)
+    assert (found.exit_code, found.reason, found.rank) == (1, "the command exited with code 1", None)
+
+
+def a_worker(name="command", lines=("last words",)):
+    pump = LinePump(-1, [], f"{name}-stderr")
+    pump._keep_tail("".join(line + "\n" for line in lines).encode())
+    return types.SimpleNamespace(pid=7, name=name, pumps=[LinePump(-1, [], f"{name}-stdout"), pump],
+                                 stderr_pump=pump)
+
+
+def rtf_plan(count):
+    workers = tuple(plan_module.WorkerPlan(f"rank-{r}", ("python", "t.py"), {}, rank=r) for r in range(count))
+    return plan_module.Plan(plan_module.RTF, "test", workers, 1, count)
+
+
+PLAIN = plan_module.Plan(plan_module.PLAIN, "test", (plan_module.WorkerPlan("command", ("true",), {}),), 1, 1)
+# state, outcome fields -> exit code, category, reason, rank (one worker: plain; several: RTF, rank-2 deciding)
+CASES = {
+    "succeeded": (dict(returncode=0, exit_code=0), State.SUCCEEDED, 0, "user", "", None),
+    "failed": (dict(returncode=5, exit_code=5), State.FAILED, 5, "user", "the command exited with code 5", 2),
+    "died": (dict(returncode=-11, exit_code=139), State.FAILED, 139, "user", "the command died of SIGSEGV", 2),
+    "oom": (dict(returncode=-9, exit_code=137), State.FAILED, 137, "infrastructure",
+            "the command was killed by SIGKILL", 2),
+    "stopped": (dict(returncode=-15, exit_code=143, stop_signal=15), State.STOPPED, 143, "platform",
+                "stopped by SIGTERM", None),
+    "stopped-clean": (dict(returncode=7, exit_code=7, stop_signal=15), State.STOPPED, 7, "platform",
+                      "stopped by SIGTERM", None),
+    "stopped-forced": (dict(returncode=-9, exit_code=143, stop_signal=15, forced=True), State.STOPPED, 143,
+                       "platform", "stopped by SIGTERM; the command did not exit within the grace period and was "
+                       "killed", None),
+}
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one", "several"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_state_with_one_worker_or_several(case, several):
+    fields, state, exit_code, category, reason, rank = CASES[case]
+    worker = a_worker("rank-2" if several else "command")
+    failed = "rank-2" if several and state is State.FAILED else None
+    outcome = Outcome(worker=worker, failed_worker=failed, duration=1.5, **fields)
+    found = verdict.of(outcome, rtf_plan(4) if several else PLAIN)
+    expected_rank = rank if several else None
+    expected_reason = f"rank {rank} failed first: {reason}" if several and rank is not None else reason
+    assert (found.state, found.exit_code, found.category, found.reason, found.rank) == (
+        state, exit_code, category, expected_reason, expected_rank)
+    assert found.tail == (["last words"] if exit_code else found.tail)
+    assert found.summary(3) == {"attempt": 3, "exit_code": exit_code, "signal": found.signal, "rank": expected_rank,
+                                "reason": expected_reason, "duration_s": 1.5}
+
+
+def test_the_signal_named_is_the_stop_not_the_death():
+    found = verdict.of(Outcome(returncode=-9, exit_code=143, stop_signal=15, forced=True, worker=a_worker()), PLAIN)
+    assert found.signal == "SIGTERM"
+    found = verdict.of(Outcome(returncode=-6, exit_code=134, worker=a_worker()), PLAIN)
+    assert found.signal == "SIGABRT"
+
+
+def test_giving_up_is_82_with_the_last_attempts_reason_and_rank():
+    last = verdict.of(Outcome(returncode=5, exit_code=5, worker=a_worker("rank-1"), failed_worker="rank-1"),
+                      rtf_plan(2))
+    final = verdict.gave_up(last, "the same failure 3 times in a row")
+    assert final.exit_code == 82 and final.rank == 1 and final.tail == last.tail
+    assert final.reason == "the same failure 3 times in a row; the last attempt: rank 1 failed first: the command " \
+                           "exited with code 5"
+    assert "MA_RUNTIME_MAX_RESTARTS" in final.hint
+
+
+def test_two_failures_are_the_same_by_code_rank_and_last_line():
+    def failed(code=5, rank="rank-1", line="ValueError: bad"):
+        return verdict.of(Outcome(returncode=code, exit_code=code, worker=a_worker(rank, ("x", line)),
+                                  failed_worker=rank), rtf_plan(2))
+
+    assert failed().failure_key == failed().failure_key
+    assert failed().failure_key != failed(code=6).failure_key
+    assert failed().failure_key != failed(rank="rank-0").failure_key
+    assert failed().failure_key != failed(line="ValueError: other").failure_key

@@ -1,0 +1,45 @@
+"""The reaping loop takes the orphans' statuses, never the status of a tool the runtime waits for itself
+(issue 11, item 6): `waitpid(-1)` in the supervisor would make `Popen` see ECHILD and report 0."""
+
+import os
+import subprocess
+import threading
+import time
+
+from ma_runtime.preflight.model import run_tool
+from ma_runtime.supervise.pid1 import reap
+
+
+def test_a_tool_run_while_the_loop_reaps_gets_its_own_status():
+    statuses = []
+
+    def tools():
+        for _ in range(40):
+            statuses.append(run_tool(["sh", "-c", "exit 3"], timeout=10)[0])
+
+    thread = threading.Thread(target=tools)
+    thread.start()
+    while thread.is_alive():  # the supervisor's loop, as busy as it gets
+        reap({})
+    thread.join()
+    assert statuses == [3] * 40
+
+
+def test_tracked_workers_and_orphans_are_still_reaped():
+    worker = subprocess.Popen(["sh", "-c", "exit 4"])
+    orphan_parent = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    found = {}
+    while worker.pid not in found:
+        found.update(reap({worker.pid: None}))
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert found == {worker.pid: 4}
+    while True:  # the untracked child's zombie is gone too
+        try:
+            os.waitpid(orphan_parent.pid, os.WNOHANG)
+        except ChildProcessError:
+            break
+        reap({})
+        assert time.monotonic() < deadline
+    worker.returncode = orphan_parent.returncode = 0  # reaped by us: Popen must not wait for them
