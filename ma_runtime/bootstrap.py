@@ -1,15 +1,29 @@
-"""`ma-runtime run`: the flow of docs/architecture.md, read top to bottom like tini's main()."""
+"""`ma-runtime run`: the flow of docs/architecture.md, read top to bottom like tini's main().
 
+One signal regime from the first line to the exit: the `SignalQueue` the CLI installs before anything
+else turns every signal into a number this thread reads. Before the command starts, the stages run in a
+thread of their own while this one waits on the queue (`_Context.wait_for`): a SIGTERM or SIGINT ends the
+run at once with 128+N, whatever the stage is blocked in (a stalled socket read, the rank-table wait).
+While workers run, the supervisor reads the queue (forward once, grace, kill). Between attempts the
+device wait and the backoff are waited for the same way. Once the verdict is decided, signals are still
+only numbers in a pipe that nobody reads: a late SIGTERM, SIGINT or SIGHUP changes nothing, and the
+termination message is written.
+"""
+
+import dataclasses
 import functools
 import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ma_runtime import __version__, logs, termination
+from ma_runtime import attempt as attempt_module
 from ma_runtime import spec as spec_module
+from ma_runtime import verdict as verdict_module
 from ma_runtime.errors import (
     Category,
     ConfigError,
@@ -17,32 +31,35 @@ from ma_runtime.errors import (
     LaunchTimedOut,
     PreflightFailed,
     RuntimeFailure,
-    exit_code_of_status,
 )
-from ma_runtime.launch import failures
 from ma_runtime.launch import plan as plan_module
+from ma_runtime.launch import registry
 from ma_runtime.launch.args import build_argv
-from ma_runtime.output import Sink, tail_of
+from ma_runtime.output import Sink
 from ma_runtime.redact import Masker
 from ma_runtime.stagein import Staged, code_dir, stage_in
 from ma_runtime.supervise import guard as guard_module
-from ma_runtime.supervise.pid1 import SignalQueue, become_subreaper, is_pid1
+from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, become_subreaper, is_pid1
 from ma_runtime.supervise.supervisor import Outcome, Supervisor
-from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, spawn
+from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, descendants, spawn, sweep
 
-TAIL_LINES = 20
 # The resolved settings that have a platform name are exported to the command
-# under that name, so it sees the same job the runtime saw.
+# under that name, so it sees the same job the runtime saw (MA_PROC_START_CNT: the attempt's number).
 _EXPORTED = ("ma_home", "mount_path", "job_dir", "log_dir", "task_name", "task_index", "num_hosts", "num_gpus",
-             "proc_start_cnt", "schedule_cnt", "vj_name")
+             "schedule_cnt", "vj_name")
+# How long a wait on the signal queue lasts at most (a wake-up lost would cost no more).
+_TICK = 1.0
+# How long the processes a stopped stage left behind get to die of SIGKILL.
+_STRAGGLER_KILL_SECONDS = 2.0
 
 
-def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], print_config: bool) -> int:
+def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], print_config: bool,
+        signals: Optional[SignalQueue] = None) -> int:
+    signals = signals or SignalQueue()  # the CLI installs it first thing; a caller in Python may not have
     masker = Masker.from_environ()
     logs.configure(early_log_format(), masker=masker)
     log = logs.get_logger()
-    context = _Context(masker)
-    _stop_on_signals()
+    context = _Context(masker, signals)
     try:
         spec = spec_module.load(flags, os.environ, config_file)
         if print_config:
@@ -55,19 +72,12 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         context.open_task_log()
         for note in spec.notes:
             log.info(note)
-        _preflight(spec, log)
-        staged = stage_in(spec, os.environ, log)
-        rank_table = None
-        if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
-            from ma_runtime import ranktable
-
-            rank_table = ranktable.prepare(spec, os.environ, log)
-            staged.env.update(rank_table.env)
-        return _run_command(spec, command, context, staged, rank_table)
+        context.start_guard()  # before any thread: the guard is a fork of this process
+        first = attempt_module.first(spec, context.run_id, log)
+        prepared = context.wait_for(functools.partial(_prepare, spec, first, log), "before the command started")
+        return _attempts(spec, command, context, prepared, first)
     except RuntimeFailure as failure:
         return context.fail(failure)
-    except _Stopped as stopped:
-        return context.fail(stopped.failure())
     except Exception as exc:  # a bug of ours: still one line, a code, and a message
         return context.fail(
             RuntimeFailure(
@@ -79,47 +89,49 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         context.close()
 
 
-class _Stopped(Exception):
-    """SIGTERM/SIGINT before the command started (preflight, stage-in, the rank-table wait)."""
+@dataclasses.dataclass
+class _Prepared:
+    """What the stages before the command give every attempt."""
 
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-    def failure(self) -> RuntimeFailure:
-        failure = RuntimeFailure(f"stopped by {SIGNAL_NAMES.get(self.signum, self.signum)} before the command started",
-                                 stage="startup")
-        failure.exit_code = 128 + self.signum  # as if the command had been stopped by it
-        return failure
+    staged: Staged
+    rank_table: Any = None  # a ranktable.Prepared, when the job has one
 
 
-def _raise_stopped(signum: int, _frame) -> None:
-    raise _Stopped(signum)
+def _prepare(spec: spec_module.JobSpec, first, log, _stopped: threading.Event) -> _Prepared:
+    """Preflight, stage-in, the rank table: once per run, in the stage thread."""
+    _preflight(spec, log)
+    staged = stage_in(spec, os.environ, log, first.number)  # a later attempt reuses what was staged
+    rank_table = None
+    if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
+        from ma_runtime import ranktable
+
+        rank_table = ranktable.prepare(spec, os.environ, log)
+        staged.env.update(rank_table.env)
+    return _Prepared(staged, rank_table)
 
 
-def _stop_on_signals() -> None:
-    """Until the supervisor takes the signals over: a stop ends the run at once with 128+N. As PID 1, a
-    signal without a handler is ignored, so a long wait (stage-in, the rank table) would sit out the
-    platform's grace period instead."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _raise_stopped)
+class _Stopped(RuntimeFailure):
+    """SIGTERM/SIGINT while no command runs: before the first start, or between two attempts."""
 
+    category = Category.PLATFORM
 
-def _ignore_stops() -> None:
-    """After the command: the exit code is decided, and a late stop must not replace it."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
+    def __init__(self, signum: int, when: str, stage: str):
+        super().__init__(f"stopped by {SIGNAL_NAMES.get(signum, signum)} {when}", stage=stage)
+        self.exit_code = 128 + signum  # as if the command had been stopped by it
 
 
 class _Context:
-    """What the finishing steps need, whichever stage the run reached."""
+    """What every stage of the run shares, and what the finishing steps need whichever stage it reached."""
 
-    def __init__(self, masker: Masker):
+    def __init__(self, masker: Masker, signals: SignalQueue):
         self.masker = masker
+        self.signals = signals
         # The one name of this run: in its log lines, its workers' lineage, its termination message.
         self.run_id = os.urandom(6).hex()
         self.spec: Optional[spec_module.JobSpec] = None
         self.task_log: Optional[Sink] = None
+        self.guard = None
+        self.attempt: Optional[attempt_module.Attempt] = None  # the last one started
         self.k8s_path = termination.kubernetes_path(os.environ)
         # Taken before the command runs, so that its own message can be told apart.
         self.k8s_before = termination.snapshot(self.k8s_path)
@@ -140,6 +152,43 @@ class _Context:
             logs.get_logger().info("removed an earlier run's termination message",
                                    path=str(self.spec.termination_path))
 
+    def start_guard(self) -> None:
+        """The guard (outside a PID namespace), and orphans of our tree kept under us."""
+        if is_pid1():
+            return  # the kernel kills the namespace with us, and orphans come to us anyway
+        self.guard = guard_module.start(self.run_id)
+        if not become_subreaper():
+            logs.get_logger().warning("could not become a child subreaper; orphans will go to init")
+
+    def wait_for(self, work: Callable[[threading.Event], Any], when: str) -> Any:
+        """`work(stopped)` in a thread of its own while this thread reads the signals. A SIGTERM or SIGINT
+        sets `stopped` and raises _Stopped at once, whatever `work` is blocked in (the process ends soon after,
+        and the thread with it); other signals have no command to go to and are logged."""
+        stopped, done = threading.Event(), threading.Event()
+        result: Dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                result["value"] = work(stopped)
+            except BaseException as exc:  # noqa: BLE001 - handed over to this thread whole
+                result["error"] = exc
+            finally:
+                done.set()  # before the wake-up: the loop below must see it when it wakes
+                self.signals.wake()
+
+        threading.Thread(target=target, name="stage", daemon=True).start()
+        while not done.is_set():
+            for signum in self.signals.wait(_TICK):
+                if signum in STOPPING:
+                    stopped.set()
+                    raise _Stopped(signum, when, "startup" if self.attempt is None else "restart")
+                if signum != signal.SIGCHLD:
+                    logs.get_logger().info("no command is running: signal ignored",
+                                           signal=SIGNAL_NAMES.get(signum, signum))
+        if "error" in result:
+            raise result["error"]
+        return result.get("value")
+
     def fail(self, failure: RuntimeFailure) -> int:
         logs.get_logger().error(
             f"error,exiting: {failure.reason}",
@@ -153,6 +202,7 @@ class _Context:
             exit_code=int(failure.exit_code),
             reason=failure.reason,
             hint=failure.hint,
+            attempt=self.attempt.number if self.attempt else None,
         )
         return int(failure.exit_code)
 
@@ -169,9 +219,267 @@ class _Context:
             logs.get_logger().info("kept the termination message the command wrote", path=str(self.k8s_path))
 
     def close(self) -> None:
+        """The exit steps: nothing of ours left running, the attempt record closed, the guard stood down."""
+        self._end_stragglers()
+        if self.attempt is not None:
+            _record_quietly(self.spec, self.attempt, finished=True)  # the next runtime in this pod starts afresh
+        if self.guard is not None:
+            self.guard.stand_down()
         if self.task_log is not None:
             logs.remove_sink(self.task_log)
             self.task_log.close()
+
+    def _end_stragglers(self) -> None:
+        """What a stage stopped midway left running (a preflight tool): the supervisor cleans up after the
+        command, but nothing else does."""
+        exclude = (self.guard.pid,) if self.guard is not None else ()
+        me = os.getpid()
+        if descendants(me, exclude):
+            sweep(lambda: {pid: proc for pid, proc in _table_of(me, exclude).items()}, _STRAGGLER_KILL_SECONDS)
+
+
+def _table_of(root: int, exclude) -> Dict[int, Any]:
+    from ma_runtime.supervise.worker import processes
+
+    table = processes()
+    return {pid: table[pid] for pid in descendants(root, exclude, table)}
+
+
+def _record_quietly(spec, attempt, finished: bool = False) -> None:
+    try:
+        attempt_module.record(spec, attempt, finished)
+    except OSError as exc:  # a read-only state folder costs the count across runtimes, not the job
+        logs.get_logger().warning("could not record the attempt", path=str(attempt_module.record_path(spec)),
+                                  error=str(exc))
+
+
+def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, prepared: _Prepared,
+              attempt: attempt_module.Attempt) -> int:
+    """The attempt loop (torch elastic's `_invoke_run`): plan, launch and supervise attempt N, get its verdict,
+    then decide: done, or restart (after the devices are released and the backoff), or give up (82)."""
+    log = logs.get_logger()
+    policy = attempt_module.Policy.of(spec)
+    history: List[verdict_module.Verdict] = []
+    while True:
+        context.attempt = attempt
+        plan = _plan(spec, command, prepared, attempt)
+        _record_quietly(spec, attempt)
+        outcome = _launch(spec, plan, attempt, context, prepared)
+        verdict = _verdict(outcome, plan, attempt)
+        history.append(verdict)
+        decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
+        if not decision.restart:
+            return _finish(verdict, decision, history, attempt, context)
+        log.info("restarting command", attempt=attempt.number + 1, reason=verdict.reason,
+                 restarts_left=policy.max_restarts - attempt.restarts - 1, backoff_s=decision.delay)
+        when = f"between attempts {attempt.number} and {attempt.number + 1}"
+        context.wait_for(functools.partial(_between_attempts, spec, decision.delay, log), when)
+        prepared = context.wait_for(functools.partial(_refresh, spec, prepared, log), when)
+        attempt = dataclasses.replace(attempt, number=attempt.number + 1)
+
+
+def _plan(spec: spec_module.JobSpec, command: Sequence[str], prepared: _Prepared, attempt) -> plan_module.Plan:
+    # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
+    argv = build_argv(command, [*prepared.staged.arguments, *spec.hyperparameters])
+    resolve = functools.partial(resolve_until, seconds=spec.master_resolve_seconds)
+    plan = plan_module.build(spec, plan_module.Context(argv, os.environ, prepared.rank_table, resolve,
+                                                       attempt=attempt.number))
+    for warning in plan.warnings:
+        logs.get_logger().warning(warning)
+    return plan
+
+
+def _between_attempts(spec: spec_module.JobSpec, delay: float, log, stopped: threading.Event) -> None:
+    """Every process of the last attempt is gone; now the accelerators must be free, then the backoff."""
+    from ma_runtime.supervise import devices
+
+    if not devices.wait_released(spec, os.environ, spec.device_release_seconds, stopped.wait, log):
+        return  # stopped: the caller has seen the signal
+    stopped.wait(delay)
+
+
+def _refresh(spec: spec_module.JobSpec, prepared: _Prepared, log, _stopped: threading.Event) -> _Prepared:
+    """The rank table again, converted again only if the platform rewrote it; stage-in is not repeated."""
+    if prepared.rank_table is None:
+        return prepared
+    from ma_runtime import ranktable
+
+    if ranktable.unchanged(prepared.rank_table):
+        return prepared
+    log.info("the rank table changed since the last attempt: converting it again")
+    rank_table = ranktable.prepare(spec, os.environ, log)
+    return dataclasses.replace(prepared, staged=dataclasses.replace(
+        prepared.staged, env={**prepared.staged.env, **rank_table.env}), rank_table=rank_table)
+
+
+def _launch(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context: _Context,
+            prepared: _Prepared) -> Outcome:
+    """One attempt: spawn every planned worker and supervise them until all have exited and nothing is left."""
+    log = logs.get_logger()
+    launcher = registry.launcher(plan.method)
+    follower = None
+    opened: List[Sink] = []  # the attempt's proc logs
+    try:
+        # Logged before the spawn, so that it precedes the command's output everywhere.
+        log.info(
+            "starting command",
+            version=__version__,
+            argv=list(plan.workers[0].argv),
+            method=plan.method,
+            processes=len(plan.workers),
+            pid1=is_pid1(),
+            run_id=context.run_id,
+            attempt=attempt.number,
+            task_log=str(spec.task_log_path),
+        )
+        base_env = {**_worker_env(spec, context.run_id, attempt.number), **prepared.staged.env}
+        follower = _follow_rank_logs(launcher.rank_logs(plan), context)
+        workers = _spawn_all(plan, base_env, context, attempt, opened)
+        return Supervisor(workers if len(workers) > 1 else workers[0], context.signals, spec.stop_grace_seconds,
+                          log, guard=context.guard, forwards=launcher.forwards_to).run()
+    finally:
+        if follower is not None:
+            follower.stop()
+        for sink in opened:
+            sink.close()
+
+
+def _verdict(outcome: Outcome, plan: plan_module.Plan, attempt) -> verdict_module.Verdict:
+    """The attempt's verdict, and its `command exited` line."""
+    log = logs.get_logger()
+    launcher = registry.launcher(plan.method)
+    verdict = verdict_module.of(outcome, plan, launcher.root_cause, launcher.OWN_CODE_AFTER_STOP)
+    worker = outcome.worker
+    log.info(
+        "command exited",
+        exit_code=verdict.exit_code,
+        returncode=outcome.returncode,
+        signal=SIGNAL_NAMES.get(-verdict.returncode) if verdict.returncode < 0 else None,
+        pid=worker.pid,
+        rank=verdict.rank,
+        duration_s=round(outcome.duration, 3),
+        leftovers=outcome.leftovers,
+        attempt=attempt.number,
+    )
+    split = sum(pump.lines_split for pump in worker.pumps)  # the deciding worker's; the others' are rare
+    if split:
+        log.warning("lines over the length limit were cut to bound memory", count=split)
+    return verdict
+
+
+def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict], attempt,
+            context: _Context) -> int:
+    """The job's exit code and termination message, from the last attempt's verdict and the decision."""
+    final = verdict_module.gave_up(verdict, decision.why) if decision.gave_up else verdict
+    if decision.gave_up:
+        logs.get_logger().error(f"error,exiting: {final.reason}", hint=final.hint, stage="supervise",
+                                exit_code=final.exit_code, attempts=len(history))
+    elif decision.why and verdict.exit_code != 0:
+        logs.get_logger().info("not restarting", reason=decision.why)
+    if final.exit_code != 0:
+        numbers = range(attempt.number - len(history) + 1, attempt.number + 1)
+        context.write_termination(
+            stage="supervise",
+            category=final.category,
+            exit_code=final.exit_code,
+            signal=final.signal,
+            rank=final.rank,
+            reason=final.reason,
+            hint=final.hint,
+            tail=list(final.tail),
+            attempt=attempt.number,
+            command_exit_code=verdict.exit_code if decision.gave_up else None,
+            attempts=[v.summary(n) for v, n in zip(history, numbers)] if len(history) > 1 or decision.gave_up
+            else None,
+        )
+    return final.exit_code
+
+
+def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, opened: List[Sink]) -> List[Worker]:
+    """One process per planned worker; several get a rank prefix on the console and in the task log, and a
+    proc log of their own with their raw lines (`opened`, for the caller to close). Each holds the guard's
+    mark (`guard.pass_fds`)."""
+    guard = context.guard
+    several = len(plan.workers) > 1
+    # One Sink object per destination, shared by every worker: its lock keeps lines whole across ranks.
+    stdout, stderr = Sink(1, "<stdout>"), logs.stderr_sink()
+    task_log = context.task_log.as_console() if several else context.task_log
+    workers: List[Worker] = []
+    try:
+        for planned in plan.workers:
+            proc_log = _proc_log(planned, attempt)
+            extra = [proc_log] if proc_log else []
+            opened.extend(extra)
+            workers.append(spawn(
+                planned.argv,
+                {**base_env, **planned.env},
+                cwd=planned.cwd,
+                stdout_sinks=[stdout, task_log, *extra],
+                stderr_sinks=[stderr, task_log, *extra],
+                name=planned.name,
+                console_prefix=f"[{planned.name}] ".encode() if several else None,
+                pass_fds=guard.pass_fds if guard else (),
+            ))
+    except BaseException:
+        for worker in workers:  # a later spawn failed: the ranks already started must not run alone
+            worker.signal_group(signal.SIGKILL)
+        raise
+    return workers
+
+
+def _follow_rank_logs(folder: Optional[str], context: _Context):
+    """A launcher that writes each rank's output to a file only (msrun): follow those onto the console and
+    the task log."""
+    if not folder:
+        return None
+    from ma_runtime.supervise.follow import LogFollower
+
+    follower = LogFollower(Path(folder), [Sink(1, "<stdout>"), context.task_log])
+    follower.start()
+    return follower
+
+
+def _proc_log(planned, attempt) -> Optional[Sink]:
+    path = planned.logs.get("proc")
+    if not path:
+        return None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        sink = Sink.open_append(path)  # appended: a restart never overwrites the last attempt's lines
+    except OSError as exc:
+        raise ConfigError(f"cannot write the proc log {path}: {exc.strerror}") from None
+    # One line where each attempt starts, so that a reader of the appended file can tell them apart.
+    sink.write(f"==== ma-runtime: attempt {attempt.number} (run {attempt.run_id}) ====\n".encode())
+    return sink
+
+
+def resolve_until(host: str, seconds: float) -> str:
+    """Worker-0's IP (msrun wants one): retried, since a node's DNS record can lag the pod's start."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LaunchTimedOut(
+                    f"worker-0's address {host} did not resolve within {seconds:g} s ({exc})",
+                    hint="check VC_WORKER_HOSTS and the cluster DNS; MA_RUNTIME_MASTER_RESOLVE_SECONDS sets the wait",
+                ) from None
+            time.sleep(1.0)
+
+
+def _worker_env(spec: spec_module.JobSpec, run_id: str, attempt: int) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["MA_PROC_START_CNT"] = str(attempt)
+    for name in _EXPORTED:
+        value = getattr(spec, name)
+        if value is not None:
+            env[spec_module.SETTINGS_BY_NAME[name].env] = str(value)
+    env[guard_module.LINEAGE_ENV] = guard_module.lineage(os.environ, run_id)
+    return env
 
 
 def _preflight(spec: spec_module.JobSpec, log) -> None:
@@ -204,217 +512,6 @@ def _preflight(spec: spec_module.JobSpec, log) -> None:
 
 
 
-
-
-def _run_command(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, staged: Staged,
-                 rank_table=None) -> int:  # rank_table: a ranktable.Prepared, when the job has one
-    log = logs.get_logger()
-    run_id = context.run_id
-    # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
-    argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
-    resolve = functools.partial(resolve_until, seconds=spec.master_resolve_seconds)
-    plan = plan_module.build(spec, plan_module.Context(argv, os.environ, rank_table, resolve))
-    for warning in plan.warnings:
-        log.warning(warning)
-    pid1 = is_pid1()
-    follower = None
-    # First, so that a SIGTERM from now on is queued for the command, not lost
-    # (PID 1 ignores signals it has no handler for).
-    signals = SignalQueue()
-    # Before any thread or worker exists: the guard is a fork of this process.
-    guard = None if pid1 else guard_module.start(run_id)
-    if not pid1 and not become_subreaper():
-        log.warning("could not become a child subreaper; orphans will go to init")
-    try:
-        # Logged before the spawn, so that it precedes the command's output everywhere.
-        log.info(
-            "starting command",
-            version=__version__,
-            argv=list(plan.workers[0].argv),
-            method=plan.method,
-            processes=len(plan.workers),
-            pid1=pid1,
-            run_id=run_id,
-            attempt=spec.proc_start_cnt,
-            task_log=str(spec.task_log_path),
-        )
-        base_env = {**_worker_env(spec, run_id), **staged.env}
-        follower = _follow_rank_logs(plan, context)
-        workers = _spawn_all(plan, base_env, context, guard)
-        outcome = Supervisor(workers if len(workers) > 1 else workers[0], signals, spec.stop_grace_seconds, log,
-                             guard=guard).run()
-    finally:
-        signals.close()
-        _ignore_stops()
-        if follower is not None:
-            follower.stop()
-    # Only a normal end stands the guard down: if anything above raised, the
-    # guard sees our pipe close at exit and kills whatever is still running.
-    if guard:
-        guard.stand_down()
-    return _finish(outcome, outcome.worker or workers[0], context, plan)
-
-
-def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, guard=None) -> List[Worker]:
-    """One process per planned worker; several get a rank prefix on the console and in the task log, and a
-    proc log of their own with their raw lines. Each holds the guard's mark (`guard.pass_fds`)."""
-    several = len(plan.workers) > 1
-    # One Sink object per destination, shared by every worker: its lock keeps lines whole across ranks.
-    stdout, stderr = Sink(1, "<stdout>"), logs.stderr_sink()
-    task_log = context.task_log.as_console() if several else context.task_log
-    workers: List[Worker] = []
-    try:
-        for planned in plan.workers:
-            proc_log = _proc_log(planned)
-            extra = [proc_log] if proc_log else []
-            workers.append(spawn(
-                planned.argv,
-                {**base_env, **planned.env},
-                cwd=planned.cwd,
-                stdout_sinks=[stdout, task_log, *extra],
-                stderr_sinks=[stderr, task_log, *extra],
-                name=planned.name,
-                console_prefix=f"[{planned.name}] ".encode() if several else None,
-                pass_fds=guard.pass_fds if guard else (),
-            ))
-    except BaseException:
-        for worker in workers:  # a later spawn failed: the ranks already started must not run alone
-            worker.signal_group(signal.SIGKILL)
-        raise
-    return workers
-
-
-def _follow_rank_logs(plan, context: _Context):
-    """msrun writes each rank's output to a file only: follow those onto the console and the task log."""
-    folder = plan.workers[0].logs.get("msrun") if plan.method == plan_module.MSRUN else None
-    if not folder:
-        return None
-    from ma_runtime.supervise.follow import LogFollower
-
-    follower = LogFollower(Path(folder), [Sink(1, "<stdout>"), context.task_log])
-    follower.start()
-    return follower
-
-
-def _proc_log(planned) -> Optional[Sink]:
-    path = planned.logs.get("proc")
-    if not path:
-        return None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return Sink.open_append(path)  # appended: a restart never overwrites the last attempt's lines
-    except OSError as exc:
-        raise ConfigError(f"cannot write the proc log {path}: {exc.strerror}") from None
-
-
-def resolve_until(host: str, seconds: float) -> str:
-    """Worker-0's IP (msrun wants one): retried, since a node's DNS record can lag the pod's start."""
-    import socket
-    import time
-
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise LaunchTimedOut(
-                    f"worker-0's address {host} did not resolve within {seconds:g} s ({exc})",
-                    hint="check VC_WORKER_HOSTS and the cluster DNS; MA_RUNTIME_MASTER_RESOLVE_SECONDS sets the wait",
-                ) from None
-            time.sleep(1.0)
-
-
-def _worker_env(spec: spec_module.JobSpec, run_id: str) -> Dict[str, str]:
-    env = dict(os.environ)
-    for name in _EXPORTED:
-        value = getattr(spec, name)
-        if value is not None:
-            env[spec_module.SETTINGS_BY_NAME[name].env] = str(value)
-    env[guard_module.LINEAGE_ENV] = guard_module.lineage(os.environ, run_id)
-    return env
-
-
-def _finish(outcome: Outcome, worker: Worker, context: _Context, plan=None) -> int:
-    log = logs.get_logger()
-    rank, returncode, exit_code = _failed_rank(outcome, worker, plan)
-    # The status that explains the exit: the failing rank's when the launcher named one (torchrun's own is 1).
-    signal_name = SIGNAL_NAMES.get(-returncode) if returncode < 0 else None
-    log.info(
-        "command exited",
-        exit_code=exit_code,
-        returncode=outcome.returncode,
-        signal=signal_name,
-        pid=worker.pid,
-        rank=rank,
-        duration_s=round(outcome.duration, 3),
-        leftovers=outcome.leftovers,
-    )
-    split = sum(pump.lines_split for pump in worker.pumps)  # the deciding worker's; the others' are rare
-    if split:
-        log.warning("lines over the length limit were cut to bound memory", count=split)
-    if exit_code != 0:
-        reason, category, hint = _explain(outcome, signal_name, exit_code)
-        if rank is not None and outcome.stop_signal is None:
-            reason = f"rank {rank} failed first: {reason}"
-        context.write_termination(
-            stage="supervise",
-            category=category,
-            exit_code=exit_code,
-            # The signal that explains the exit code: the stop request, if there was one.
-            signal=_stop_name(outcome) or signal_name,
-            rank=rank,
-            reason=reason,
-            hint=hint,
-            tail=_tail(worker),
-        )
-    return exit_code
-
-
-def _failed_rank(outcome: Outcome, worker: Worker, plan) -> tuple:
-    """(rank that failed first or None, its Popen-style status, the job's exit code).
-
-    RTF: the worker that failed first. torchrun: the root cause its summary names, whose status
-    replaces torchrun's own 1 (a stop request keeps 128+N)."""
-    if outcome.exit_code == 0 or plan is None:
-        return None, outcome.returncode, outcome.exit_code
-    if plan.method == plan_module.TORCHRUN and outcome.stop_signal is None:
-        cause = failures.torchrun_root_cause(_tail(worker, 60))
-        if cause is not None and cause.returncode != 0:
-            return cause.rank, cause.returncode, exit_code_of_status(cause.returncode)
-    failed = getattr(outcome, "failed_worker", None)
-    ranks = {planned.name: planned.rank for planned in plan.workers}
-    return ranks.get(failed), outcome.returncode, outcome.exit_code
-
-
-def _stop_name(outcome: Outcome) -> Optional[str]:
-    return SIGNAL_NAMES.get(outcome.stop_signal) if outcome.stop_signal else None
-
-
-def _explain(outcome: Outcome, signal_name: Optional[str], exit_code: int):
-    """(reason, category, hint) for a non-zero exit."""
-    if outcome.stop_signal is not None:
-        stop = SIGNAL_NAMES[outcome.stop_signal]
-        if outcome.forced:
-            return (
-                f"stopped by {stop}; the command did not exit within the grace period and was killed",
-                Category.PLATFORM.value,
-                "handle SIGTERM in the training code (save and exit), or raise MA_RUNTIME_STOP_GRACE_SECONDS",
-            )
-        return f"stopped by {stop}", Category.PLATFORM.value, ""
-    if signal_name == "SIGKILL":
-        return (
-            "the command was killed by SIGKILL",
-            Category.INFRASTRUCTURE.value,
-            "SIGKILL from nobody we know of is often the out-of-memory killer: check memory use",
-        )
-    if signal_name:
-        return f"the command died of {signal_name}", Category.USER.value, "see the last lines of its output"
-    return f"the command exited with code {exit_code}", Category.USER.value, "see the last lines of its output"
-
-
-def _tail(worker: Worker, lines: int = TAIL_LINES) -> List[str]:
-    return tail_of(worker.pumps, lines, prefer=worker.stderr_pump)
 
 
 def early_log_format() -> str:

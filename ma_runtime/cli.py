@@ -87,6 +87,11 @@ def split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple
 
 
 def run_main(argv: Sequence[str], prog: str) -> int:
+    # The one signal regime, first: a SIGTERM from here to the exit is a number in a queue, never lost
+    # (PID 1 drops a signal it has no handler for) and never an exception in the middle of a stage.
+    from ma_runtime.supervise.pid1 import SignalQueue
+
+    signals = SignalQueue()
     parser = _run_parser(prog)
     ours, command = split_command(parser, argv)
     options = parser.parse_args(ours)
@@ -94,7 +99,7 @@ def run_main(argv: Sequence[str], prog: str) -> int:
     # Imported here: `ma-runtime version` and `--help` should not pay for structlog.
     from ma_runtime import bootstrap
 
-    return bootstrap.run(flags, options.config, command, options.print_config)
+    return bootstrap.run(flags, options.config, command, options.print_config, signals)
 
 
 def _top_parser() -> _Parser:

@@ -3,7 +3,7 @@
 This is the one table of the runtime's own exit codes; the README repeats it.
 A training command's own exit code passes through unchanged, and a death by
 signal N becomes 128+N, so the runtime's codes sit where shells and sysexits(3)
-leave room: 70 and 78 are EX_SOFTWARE and EX_CONFIG, 79-83 follow EX_CONFIG.
+leave room: 70 and 78 are EX_SOFTWARE and EX_CONFIG, 79-84 follow EX_CONFIG.
 """
 
 import enum
@@ -19,6 +19,7 @@ class ExitCode(enum.IntEnum):
     TIMED_OUT = 81
     RESTARTS_EXHAUSTED = 82
     HANG_DETECTED = 83
+    DEVICE_NOT_RELEASED = 84
     COMMAND_NOT_EXECUTABLE = 126
     COMMAND_NOT_FOUND = 127
 
@@ -83,3 +84,15 @@ class PreflightFailed(RuntimeFailure):
     exit_code = ExitCode.PREFLIGHT_FAILED
     category = Category.INFRASTRUCTURE
     stage = "preflight"
+
+
+class DeviceNotReleased(RuntimeFailure):
+    """Between attempts, the accelerator tool still lists processes on this container's devices.
+
+    Infrastructure: whatever holds them (a rank stuck in the driver, another container, a hung
+    driver) is the node's problem, and relaunching onto a dirty device fails again or worse.
+    """
+
+    exit_code = ExitCode.DEVICE_NOT_RELEASED
+    category = Category.INFRASTRUCTURE
+    stage = "restart"

@@ -607,6 +607,7 @@ class Prepared:
     path: Path  # template one, for the workers' RANK_TABLE_FILE
     ranked: Ranked
     node: NodeView
+    text: str = dataclasses.field(default="", repr=False)  # the source as read: was it rewritten since?
 
     @property
     def env(self) -> Dict[str, str]:
@@ -638,7 +639,16 @@ def prepare(spec, environ: Mapping[str, str], log) -> Optional[Prepared]:
              servers=document["server_count"], rank_size=ranked.rank_size, server_id=view.server_id,
              matched_by=view.matched_by, ranks=",".join(str(device.rank_id) for device in view.devices),
              devices=",".join(device.device_id for device in view.devices))
-    return Prepared(source, target, ranked, view)
+    return Prepared(source, target, ranked, view, text)
+
+
+def unchanged(prepared: Prepared) -> bool:
+    """Whether the platform's table still says what `prepared` was made from (no wait, no conversion)."""
+    try:
+        seen = look(prepared.source)
+    except RuntimeFailure:
+        return False  # broken now: `prepare` says how
+    return seen.state == COMPLETED and seen.text == prepared.text
 
 
 def peek(spec, environ: Mapping[str, str]) -> Optional[Prepared]:

@@ -69,19 +69,21 @@ def planned(spec: JobSpec) -> Staged:
     return staged
 
 
-def stage_in(spec: JobSpec, environ, log) -> Staged:
+def stage_in(spec: JobSpec, environ, log, attempt: Optional[int] = None) -> Staged:
+    """`attempt`: the first start of the command this runtime makes (the platform's MA_PROC_START_CNT, or
+    the next after a runtime that died): from the second on, what was staged is reused."""
     if not (spec.code_url or spec.inputs or spec.outputs):
         return Staged()
     try:
-        return _stage_all(spec, environ, log)
+        return _stage_all(spec, environ, log, spec.proc_start_cnt if attempt is None else attempt)
     except OSError as exc:  # the local side: a folder that cannot be made, a record that cannot be written
         where = f": {exc.filename}" if exc.filename else ""
         raise StorageError(f"stage-in failed{where}: {exc.strerror or exc}", stage="stage-in") from None
 
 
-def _stage_all(spec: JobSpec, environ, log) -> Staged:
+def _stage_all(spec: JobSpec, environ, log, attempt: int) -> Staged:
     staged = Staged()
-    record = _Record(spec.state_dir / "staged.json", reuse=spec.proc_start_cnt > 1)
+    record = _Record(spec.state_dir / "staged.json", reuse=attempt > 1)
     if spec.code_url:
         _fetch(spec, environ, log, record, "code", storage_url.parse(spec.code_url), code_dir(spec))
     for channel in spec.inputs:

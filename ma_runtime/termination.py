@@ -20,6 +20,8 @@ MAX_BYTES = 4096
 # A tail line longer than this is cut: one 16 KiB line must not push every other line out.
 TAIL_LINE_CHARS = 1024
 DEFAULT_PATH = "/dev/termination-log"
+# Attempts kept when the message must shrink: the last ones say whether the failures were the same.
+KEPT_ATTEMPTS = 8
 PATH_ENV = "MA_RUNTIME_TERMINATION_LOG"
 
 
@@ -59,6 +61,9 @@ def build(
     signal: Optional[str] = None,
     rank: Optional[int] = None,
     tail: Optional[List[str]] = None,
+    attempt: Optional[int] = None,
+    attempts: Optional[List[Dict[str, Any]]] = None,
+    command_exit_code: Optional[int] = None,
     masker=None,
 ) -> Dict[str, Any]:
     message = {
@@ -73,6 +78,13 @@ def build(
         "hint": hint,
         "tail": list(tail or []),
     }
+    # Only where there were attempts: the message of a run that never started the command stays as it was.
+    if attempt is not None:
+        message["attempt"] = attempt  # the last start of the command (its MA_PROC_START_CNT)
+    if command_exit_code is not None:
+        message["command_exit_code"] = command_exit_code  # the last attempt's own code, under an exit 82
+    if attempts:
+        message["attempts"] = list(attempts)  # one entry per start of the command, oldest first
     return masker.data(message) if masker else message
 
 
@@ -83,6 +95,10 @@ def render(message: Dict[str, Any]) -> bytes:
             or []]
     message = dict(message, tail=tail)
     data = _dump(message)
+    # Of a long list of attempts, the oldest go first (down to the last KEPT_ATTEMPTS), then the tail's lines.
+    while len(data) > MAX_BYTES and len(message.get("attempts") or ()) > KEPT_ATTEMPTS:
+        message["attempts"] = message["attempts"][1:]
+        data = _dump(message)
     while len(data) > MAX_BYTES and message["tail"]:
         message["tail"].pop(0)
         data = _dump(message)

@@ -12,10 +12,11 @@ SIGKILLed after they dropped every mark they inherited.
 """
 
 import dataclasses
+import enum
 import os
 import signal
 import time
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 from ma_runtime.errors import exit_code_of_status
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
@@ -34,6 +35,24 @@ _RECORD_EVERY = 1.0
 _OUTPUT_DRAIN = 2.0
 
 
+class State(enum.Enum):
+    """How an attempt ended (torch elastic's WorkerState, the states that end one)."""
+
+    SUCCEEDED = "succeeded"  # every worker exited 0
+    FAILED = "failed"  # a worker exited non-zero or died of a signal, nobody having asked it to stop
+    STOPPED = "stopped"  # a stop was requested (SIGTERM/SIGINT) and the workers ended
+    HUNG = "hung"  # reserved: the hang monitor (a later issue) stopped them
+
+
+# Which processes a launcher signals itself when it gets a stop (launch/<method>.forwards_to): given
+# the launcher's pid and the process table, the pids it will reach, so that we do not reach them twice.
+Forwards = Callable[[int, Mapping[int, Proc]], Collection[int]]
+
+
+def _forwards_nothing(_pid: int, _table: Mapping[int, Proc]) -> Set[int]:
+    return set()
+
+
 @dataclasses.dataclass
 class Outcome:
     returncode: int  # Popen style: exit status, or -N for death by signal N
@@ -47,6 +66,14 @@ class Outcome:
     worker: Optional[Worker] = None
     failed_worker: Optional[str] = None  # its name, when it failed first with no stop under way
     workers_stopped: int = 0  # how many others we stopped because it failed
+    # When the stop was requested (time.monotonic()), for what must still happen within the platform's grace.
+    stop_requested_at: Optional[float] = None
+
+    @property
+    def state(self) -> State:
+        if self.stop_signal is not None:
+            return State.STOPPED
+        return State.SUCCEEDED if self.exit_code == 0 else State.FAILED
 
 
 @dataclasses.dataclass
@@ -54,6 +81,7 @@ class _Stop:
     """Where the stop stands during one run."""
 
     signal: Optional[int] = None  # a stop requested by a signal
+    requested_at: Optional[float] = None
     failed: Optional[Worker] = None  # a stop started by a worker's failure
     stopped: int = 0
     deadline: Optional[float] = None
@@ -75,6 +103,7 @@ class Supervisor:
         log,
         exclude: Sequence[int] = (),
         guard=None,  # a guard.Guard: told the workers' pipes and the tree as it grows
+        forwards: Forwards = _forwards_nothing,
     ):
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:
@@ -86,8 +115,11 @@ class Supervisor:
         # Our own helpers (the guard) are children too, but never targets.
         self.exclude = tuple(exclude) + ((guard.pid,) if guard is not None else ())
         self.guard = guard
+        self.forwards = forwards
         self._me = os.getpid()
         self._next_record = 0.0
+        # pid -> start time of every process a stop signal reached (the pid alone could be reused).
+        self._signalled: Dict[int, int] = {}
 
     def run(self) -> Outcome:
         started = time.monotonic()
@@ -101,7 +133,7 @@ class Supervisor:
             for worker in self._reap():
                 self._on_exit(stop, worker)
             self._escalate(stop)
-        leftovers = self._stop_leftovers()
+        leftovers = self._stop_leftovers(stop)
         self._join_output()
         return self._outcome(stop, leftovers, time.monotonic() - started)
 
@@ -117,21 +149,25 @@ class Supervisor:
     def _on_signal(self, stop: _Stop, signum: int) -> None:
         if signum == signal.SIGCHLD:
             return  # only there to wake the loop: _reap follows
-        if stop.signal == signal.SIGINT and signum == signal.SIGINT:
-            self.log.warning("second SIGINT: killing the command now")
-            stop.deadline = time.monotonic()
-        if signum in STOPPING:
-            # Also reach descendants that left the group (setsid, msrun's ranks).
-            self._kill_tree(signum)
-        else:
+        if signum not in STOPPING:
             for worker in self._live():
                 worker.signal_group(signum)
+            self.log.info("forwarded signal", signal=SIGNAL_NAMES.get(signum, signum), **self._pids())
+            return
+        if stop.requested_at is None:
+            stop.requested_at = time.monotonic()  # even during a failure's stop: no restart after it
+        if stop.under_way:
+            # Each process gets a stop once: a second one would interrupt the cleanup the first started.
+            # A stop already under way (a failed worker's) keeps its deadline and its cause.
+            if stop.signal == signal.SIGINT and signum == signal.SIGINT:
+                self.log.warning("second SIGINT: killing the command now")
+                stop.deadline = time.monotonic()
+            else:
+                self.log.info("stop already under way", signal=SIGNAL_NAMES.get(signum, signum))
+            return
+        self._stop_all(signum)
         self.log.info("forwarded signal", signal=SIGNAL_NAMES.get(signum, signum), **self._pids())
-        # A stop already under way (a failed worker's) keeps its deadline and its
-        # cause: the job failed before anyone asked it to stop.
-        if signum in STOPPING and not stop.under_way:
-            stop.signal = signum
-            stop.deadline = time.monotonic() + self.grace_seconds
+        stop.signal, stop.deadline = signum, time.monotonic() + self.grace_seconds
 
     def _on_exit(self, stop: _Stop, worker: Worker) -> None:
         stop.exits.append(worker)
@@ -151,7 +187,7 @@ class Supervisor:
             exit_code=exit_code_of_status(worker.returncode),
             others=len(others),
         )
-        self._kill_tree(signal.SIGTERM)
+        self._stop_all(signal.SIGTERM)
         stop.deadline = time.monotonic() + self.grace_seconds
 
     def _escalate(self, stop: _Stop) -> None:
@@ -191,6 +227,7 @@ class Supervisor:
             worker=decider,
             failed_worker=stop.failed.name if stop.failed else None,
             workers_stopped=stop.stopped,
+            stop_requested_at=stop.requested_at,
         )
 
     def _pids(self, workers: Optional[Sequence[Worker]] = None) -> dict:
@@ -235,21 +272,41 @@ class Supervisor:
             worker.signal_group(signal.SIGKILL)
         return survivors
 
-    def _kill_tree(self, signum: int) -> None:
-        """Every worker's process group and every descendant, wherever its group."""
+    def _stop_all(self, signum: int) -> None:
+        """Each process of the tree gets `signum` once: every worker's group with one killpg, and a
+        descendant outside those groups (a setsid escapee, msrun's ranks) directly, unless a launcher
+        we signalled will pass it on (torchrun stops its ranks' groups itself). What it reached is
+        remembered, so that stopping the leftovers later does not signal it again."""
+        table = processes()
+        tree = descendants(self._me, self.exclude, table)
+        reached: Set[int] = set()
         # Exited leaders too: their groups may still hold processes outside our tree.
         for worker in self.workers:
             worker.signal_group(signum)
-        kill_all(self._tree(), signum)
+            if worker.pid in table:
+                reached.add(worker.pid)
+                reached.update(self.forwards(worker.pid, table))
+        groups = {worker.pid for worker in self.workers} | {table[pid].pgid for pid in reached if pid in table}
+        direct = [pid for pid in tree if pid not in reached and table[pid].pgid not in groups]
+        kill_all(direct, signum)
+        for pid in tree:
+            self._signalled[pid] = table[pid].start
 
-    def _stop_leftovers(self) -> int:
-        """TERM, grace, KILL for whatever the command left running (tini #180)."""
+    def _stop_leftovers(self, stop: _Stop) -> int:
+        """TERM, grace, KILL for whatever the command left running (tini #180). What a stop already reached
+        gets no second SIGTERM (it may be in the middle of its cleanup); only the rest of the grace period."""
         leftovers = self._tree()
         if not leftovers:
             return 0
         self.log.warning("the command left processes running; stopping them", count=len(leftovers), pids=leftovers[:20])
-        self._kill_tree(signal.SIGTERM)
-        if not self._wait_gone(self.grace_seconds):
+        if self._signalled:
+            table = processes()
+            kill_all([pid for pid in leftovers if pid in table and self._signalled.get(pid) != table[pid].start],
+                     signal.SIGTERM)
+        else:
+            self._stop_all(signal.SIGTERM)
+        grace = self.grace_seconds if stop.deadline is None else max(0.0, stop.deadline - time.monotonic())
+        if not self._wait_gone(grace, stop):
             self.log.warning("processes outlived the grace period; killing them", grace_seconds=self.grace_seconds)
             survivors = self._kill_sweep(self._reap)
             if survivors:
@@ -257,7 +314,7 @@ class Supervisor:
                                count=len(survivors), pids=sorted(survivors)[:20])
         return len(leftovers)
 
-    def _wait_gone(self, seconds: float) -> bool:
+    def _wait_gone(self, seconds: float, stop: _Stop) -> bool:
         deadline = time.monotonic() + seconds
         while True:
             self._reap()
@@ -265,4 +322,7 @@ class Supervisor:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            self.signals.wait(_POLL)
+            for signum in self.signals.wait(_POLL):
+                # The leftovers are being stopped already; a stop request now still means: no restart.
+                if signum in STOPPING and stop.requested_at is None:
+                    stop.requested_at = time.monotonic()

@@ -7,6 +7,7 @@ with the reason when either is missing.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,7 +224,8 @@ def test_rtf_starts_one_process_per_npu_with_its_env_and_proc_log(job_env, tmp_p
         line = f"rank={rank} logical={rank} device={rank} size=8 job=0a1b table={converted} --x=1"
         assert f"[rank-{rank}] {line}" in done.stdout.splitlines()
         proc_log = log_dir / f"modelarts-job-0a1b-proc-rank-{rank}-device-{rank}.txt"
-        assert proc_log.read_text().splitlines() == [line]
+        header, *lines = proc_log.read_text().splitlines()
+        assert re.fullmatch(r"==== ma-runtime: attempt 1 \(run [0-9a-f]{12}\) ====", header) and lines == [line]
     assert "method=rtf" in done.stderr
 
 

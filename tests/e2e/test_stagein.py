@@ -3,6 +3,7 @@
 import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,15 @@ def test_bad_urls_and_channels_are_bad_configuration(tmp_path, job_env, job, exp
     result = run_ma(["--config", str(path), "true"], job_env)
     assert result.returncode == 78 and expected in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_runtime_continuing_after_one_that_died_does_not_fetch_again(tmp_path, job_env):
+    job = job_file(tmp_path, local_bucket(tmp_path))
+    assert run_ma(["--config", job, *COMMAND], job_env).returncode == 0
+    # What a runtime SIGKILLed during attempt 1 leaves: its record, not finished.
+    record = next((Path(job_env["MA_HOME"]) / "modelarts" / ".ma-runtime").glob("attempt-*.json"))
+    record.write_text(record.read_text().replace('"finished": true', '"finished": false'))
+    again = run_ma(["--config", job, *COMMAND], job_env)
+    assert again.returncode == 0 and "OK images=20" in again.stdout
+    assert "continuing after a runtime that did not finish" in again.stderr
+    assert "code download already staged; not fetched again" in again.stderr

@@ -21,7 +21,8 @@ def test_failure_writes_the_message_with_the_last_lines(job_env):
     script = "import sys\nfor i in range(50): print(f'out {i}')\nprint('Traceback: boom', file=sys.stderr)\nsys.exit(3)"
     assert run_ma([sys.executable, "-c", script], job_env).returncode == 3
     written = message(job_env)
-    assert set(written) == FIELDS
+    assert set(written) == FIELDS | {"attempt"}  # once the command started: which start it was
+    assert written["attempt"] == 1
     assert written["exit_code"] == 3 and written["stage"] == "supervise" and written["category"] == "user"
     assert "code 3" in written["reason"]
     assert written["tail"] == ["Traceback: boom"]

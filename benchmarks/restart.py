@@ -1,0 +1,347 @@
+"""Restart latency: a worker's death to the relaunched worker's first line, ma-run against torchrun.
+
+One script runs under every launcher. On its first attempt each worker waits until every rank of
+its attempt is up, runs --run-seconds more (so the launcher is in its steady loop), then takes
+the clock (time.time_ns: CLOCK_REALTIME, one clock for every process) and dies with os._exit(1).
+On its second attempt it takes the clock as the first thing it does and prints it. The figure:
+the earliest first line of attempt 2 minus the latest death of attempt 1; the interpreter start
+of the relaunched worker is in it, for every row alike. No accelerator, so no device wait.
+
+Rows, round-robin (benchmarks/_harness.py):
+
+  torchrun (default interval)  torchrun --standalone --nproc-per-node=2 --max-restarts=1 SCRIPT:
+                               both ranks die, torchrun restarts its worker group
+  torchrun --monitor-interval=0.1  the same with the interval named (torchrun 2.13's default is
+                               already 0.1 s; the default is read from torchrun and printed)
+  ma-run (plain)               ma-run python SCRIPT, one process, MA_RUNTIME_MAX_RESTARTS=1,
+                               MA_RUNTIME_DEVICE_RELEASE_SECONDS=0: ma-run relaunches the command
+  ma-run (torchrun, 2 ranks)   MA_RUN_METHOD=torchrun, 2 ranks, torchrun's own --max-restarts=0:
+                               ma-run restarts torchrun whole (its start-up is in this figure)
+
+Which attempt a worker is on: MA_PROC_START_CNT when the runtime exports it (1, 2, ...), else
+torchrun's TORCHELASTIC_RESTART_COUNT + 1. Each run gets a clean environment (no MA_*, PET_* or
+TORCHELASTIC_* variables of the caller) and a scratch MA_HOME. A run that does not relaunch (the
+launcher exits after attempt 1) is a failed sample with the reason beside its row, never a crash.
+
+Goal (issue 11): ma-run (plain) at most 0.5x torchrun (default interval) in the same run, and at
+most 300 ms (medians). Reported, never enforced: the script exits 0 unless it cannot run at all.
+Measured anchor when the goal was set: torchrun 2.13, median 322 ms [125-447].
+
+    .venv/bin/python benchmarks/restart.py [--rounds 5] [--warmup 1] [--run-seconds 0.3] [--ma-run PATH]
+        [--python PATH] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as harness  # noqa: E402  (beside this script, not a package)
+
+GOAL_RATIO = 0.5
+GOAL_MS = 300.0
+ANCHOR_TEXT = "torchrun 2.13 here when the goal was set: median 322 ms [125-447]"
+TORCHRUN_DEFAULT = "torchrun (default interval)"
+TORCHRUN_FAST = "torchrun --monitor-interval=0.1"
+MA_RUN_PLAIN = "ma-run (plain)"
+MA_RUN_TORCHRUN = "ma-run (torchrun, 2 ranks)"
+ROWS = (TORCHRUN_DEFAULT, TORCHRUN_FAST, MA_RUN_PLAIN, MA_RUN_TORCHRUN)
+ANCHORS = (TORCHRUN_DEFAULT, TORCHRUN_FAST)
+SHORT = {TORCHRUN_DEFAULT: "torchrun", TORCHRUN_FAST: "torchrun 0.1 s", MA_RUN_PLAIN: "ma-run plain",
+         MA_RUN_TORCHRUN: "ma-run torchrun"}  # the per-round table's columns
+OURS = (MA_RUN_PLAIN, MA_RUN_TORCHRUN)
+# The caller's job settings would change what ma-run and torchrun do (a platform restart count, torchrun flags).
+FOREIGN_PREFIXES = ("MA_", "PET_", "TORCHELASTIC_", "VC_", "RANK_TABLE")
+MARK_LINE = re.compile(r"^(died|first) attempt=(\d+) rank=(\d+) ns=(\d+)$")
+
+WORKER_SOURCE = """\
+import time
+
+STARTED_NS = time.time_ns()  # first: on a relaunch this is the worker's first line
+import os
+import sys
+
+MARKS = os.environ["RESTART_BENCH_DIR"]
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def attempt():
+    # The runtime names the attempt; torchrun alone counts its restarts from 0.
+    if "MA_PROC_START_CNT" in os.environ:
+        return int(os.environ["MA_PROC_START_CNT"])
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+
+
+def mark(kind, number, ns):
+    line = f"{kind} attempt={number} rank={RANK} ns={ns}\\n"
+    fd = os.open(os.path.join(MARKS, "marks"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, line.encode())  # one write: lines of several ranks never interleave
+    os.close(fd)
+    print(line, end="", flush=True)
+
+
+def wait_for_every_rank(number):
+    open(os.path.join(MARKS, f"up-{number}-{RANK}"), "w").close()
+    deadline = time.monotonic() + 60
+    while sum(name.startswith(f"up-{number}-") for name in os.listdir(MARKS)) < WORLD:
+        if time.monotonic() > deadline:
+            sys.exit(f"rank {RANK}: the other ranks of attempt {number} did not start")
+        time.sleep(0.001)
+
+
+number = attempt()
+if number >= 2:
+    mark("first", number, STARTED_NS)
+    sys.exit(0)
+wait_for_every_rank(number)  # so that every rank dies, not one killed by the launcher after another's death
+time.sleep(float(sys.argv[1]))
+mark("died", number, time.time_ns())
+os._exit(1)
+"""
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_round_arguments(parser, rounds=5, warmup=1)
+    parser.add_argument("--run-seconds", type=float, default=0.3,
+                        help="how long attempt 1 runs once every rank is up, before dying (default 0.3)")
+    parser.add_argument("--ma-run", default=beside_python("ma-run"), help="ma-run executable (default: next to "
+                                                                           "this python)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the workers' interpreter; torchrun is the one beside it (default: this python)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds before one run counts as hung")
+    parser.add_argument("--json", metavar="FILE", help="also write the results (and raw samples) as JSON to FILE")
+    return parser.parse_args(argv)
+
+
+def beside_python(name: str) -> str:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.exists(path) else (shutil.which(name) or name)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def commands(python: str, ma_run: str, worker: str, run_seconds: float) -> Dict[str, Tuple[List[str], Dict[str, str]]]:
+    """row -> (argv, the environment it adds)."""
+    torchrun = os.path.join(os.path.dirname(python), "torchrun")
+    script = [worker, repr(run_seconds)]
+    group = [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    restarts = {"MA_RUNTIME_MAX_RESTARTS": "1", "MA_RUNTIME_DEVICE_RELEASE_SECONDS": "0"}
+    return {
+        TORCHRUN_DEFAULT: ([*group, *script], {}),
+        TORCHRUN_FAST: ([*group, "--monitor-interval=0.1", *script], {}),
+        MA_RUN_PLAIN: ([ma_run, python, *script], {**restarts, "MA_RUN_METHOD": "plain"}),
+        MA_RUN_TORCHRUN: ([ma_run, python, *script], {
+            **restarts, "MA_RUN_METHOD": "torchrun", "MA_NUM_GPUS": "0", "MA_RUNTIME_NPROC_PER_NODE": "2",
+            "MA_EXTRA_TORCHRUN_PARAMS": "--max-restarts=0"}),
+    }
+
+
+def clean_environment() -> Dict[str, str]:
+    return {name: value for name, value in os.environ.items() if not name.startswith(FOREIGN_PREFIXES)}
+
+
+def restart_run(argv: List[str], extra: Dict[str, str], scratch: str, timeout: float, ma_run: str) -> Dict[str, Any]:
+    """One run: {"seconds": death to relaunched first line, or None, "exit_code", "why" when None}."""
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=scratch)
+    try:
+        os.mkdir(os.path.join(run_dir, "home"))
+        env = {**clean_environment(), **extra, "MA_HOME": os.path.join(run_dir, "home"), "RESTART_BENCH_DIR": run_dir}
+        code, tail = run_bounded(argv, env, timeout)
+        hint = " (an ma-run without MA_RUNTIME_MAX_RESTARTS, issue 11, does that)" if argv[0] == ma_run else ""
+        return figure(read_marks(os.path.join(run_dir, "marks")), code, tail, hint)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_bounded(argv: List[str], env: Dict[str, str], timeout: float) -> Tuple[Optional[int], str]:
+    """(exit code, or None if it hung and was killed; the last lines of its stderr)."""
+    # A session of its own, so that a hung run's whole tree can be killed by its group.
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        return None, err
+
+
+def read_marks(path: str) -> List[Tuple[str, int, int, int]]:
+    """(kind, attempt, rank, ns) per line the workers wrote."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        found = [MARK_LINE.match(line.strip()) for line in handle]
+    return [(m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))) for m in found if m]
+
+
+def figure(marks: List[Tuple[str, int, int, int]], code: Optional[int], stderr: str,
+           no_relaunch_hint: str = "") -> Dict[str, Any]:
+    deaths = [ns for kind, number, _, ns in marks if kind == "died" and number == 1]
+    firsts = [ns for kind, number, _, ns in marks if kind == "first" and number == 2]
+    why = None
+    if code is None:
+        why = "hung: killed after --timeout"
+    elif not deaths:
+        why = f"attempt 1 never died as planned (exit {code}): {last_line(stderr)}"
+    elif not firsts:
+        why = f"no relaunch: the launcher exited {code} after attempt 1{no_relaunch_hint}"
+    elif code != 0:
+        why = f"attempt 2 ran but the launcher exited {code}: {last_line(stderr)}"
+    seconds = None if why else (min(firsts) - max(deaths)) / 1e9
+    return {"seconds": seconds, "exit_code": code, "why": why, "deaths": len(deaths), "relaunched": len(firsts)}
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else "(nothing on stderr)"
+
+
+def tasks(rows: Dict[str, Tuple[List[str], Dict[str, str]]], scratch: str, timeout: float, ma_run: str):
+    def task(argv: List[str], extra: Dict[str, str]):
+        return lambda: restart_run(argv, extra, scratch, timeout, ma_run)
+
+    return {name: task(argv, extra) for name, (argv, extra) in rows.items()}
+
+
+def progress(name: str, label: str, result: Dict[str, Any]) -> None:
+    figure_text = f"{result['seconds'] * 1e3:.0f} ms" if result["seconds"] is not None else f"FAILED: {result['why']}"
+    print(f"  {label}: {name}: {figure_text}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def seconds_of(result: Dict[str, Any]) -> Optional[float]:
+    return result["seconds"]
+
+
+def failure_notes(samples: Dict[str, List[harness.Sample]]) -> Dict[str, str]:
+    """row -> 'k of n runs failed: <the first reason>', for rows with a failed run."""
+    notes = {}
+    for name, rows in samples.items():
+        failed = [s.result["why"] for s in rows if s.result["seconds"] is None]
+        if failed:
+            notes[name] = f"{len(failed)} of {len(rows)} runs failed: {failed[0]}"
+    return notes
+
+
+def print_rounds(samples: Dict[str, List[harness.Sample]]) -> None:
+    """Each round's figures side by side, and ma-run / torchrun (default interval) within it."""
+    print(f"\nper round (ms), and ma-run / {TORCHRUN_DEFAULT} within the round")
+    header = "".join(f" {SHORT[name]:>15}" for name in ROWS)
+    print(f"  {'round':<6}{header} {'plain/torchrun':>15} {'ma-run torchrun/torchrun':>25}")
+    by_round: Dict[int, Dict[str, Optional[float]]] = {}
+    for name in ROWS:
+        for sample in samples[name]:
+            by_round.setdefault(sample.round, {})[name] = sample.result["seconds"]
+    for index in sorted(by_round):
+        figures = by_round[index]
+        cells = "".join(f" {scaled_text(figures.get(name)):>15}" for name in ROWS)
+        ratios = [round_ratio(figures.get(ours), figures.get(TORCHRUN_DEFAULT)) for ours in OURS]
+        print(f"  {index + 1:<6}{cells} {ratios[0]:>15} {ratios[1]:>25}")
+
+
+def scaled_text(seconds: Optional[float]) -> str:
+    return "FAILED" if seconds is None else harness.number(seconds * 1e3, 0)
+
+
+def round_ratio(ours: Optional[float], anchor: Optional[float]) -> str:
+    return "-" if ours is None or anchor is None else harness.number(harness.ratio(ours, anchor), 2)
+
+
+def report(samples: Dict[str, List[harness.Sample]]) -> Dict[str, Any]:
+    summaries = {}
+    for name in ROWS:
+        summary = harness.summarize(samples[name], seconds_of)
+        summaries[name] = summary.scaled(1e3) if summary else None
+    harness.print_table("a worker's death to the relaunched worker's first line (no device wait)",
+                        list(summaries.items()), "ms", 0, failure_notes(samples))
+    print_rounds(samples)
+    comparisons = {f"{ours} / {anchor}": harness.compare(samples[ours], samples[anchor], harness.ratio, seconds_of)
+                   for ours in OURS for anchor in ANCHORS}
+    print()
+    for label, comparison in comparisons.items():
+        print(f"  {label}: {harness.comparison_text(comparison)}")
+    print(f"  anchor: {ANCHOR_TEXT}")
+    goals = goal_verdicts(summaries[MA_RUN_PLAIN], comparisons[f"{MA_RUN_PLAIN} / {TORCHRUN_DEFAULT}"])
+    return {
+        "ms": {name: summary.as_dict() if summary else None for name, summary in summaries.items()},
+        "comparisons": {label: comparison.as_dict() for label, comparison in comparisons.items()},
+        "failures": failure_notes(samples),
+        "goals": goals,
+    }
+
+
+def goal_verdicts(ours: Optional[harness.Summary], against_torchrun: harness.Comparison) -> Dict[str, Any]:
+    ratio = against_torchrun.of_medians
+    median = ours.median if ours else None
+    goals = {
+        "ratio_of_medians": ratio, "ratio_goal": GOAL_RATIO, "ratio_met": ratio is not None and ratio <= GOAL_RATIO,
+        "median_ms": median, "ms_goal": GOAL_MS, "ms_met": median is not None and median <= GOAL_MS,
+    }
+    if ours is None:
+        print(f"  goals: no figure: every {MA_RUN_PLAIN} run failed (see the table's note)")
+        return goals
+    print(f"  goal 1, {MA_RUN_PLAIN} <= {GOAL_RATIO}x {TORCHRUN_DEFAULT} (medians, same run): "
+          f"{harness.number(ratio, 2)}x: {harness.verdict(goals['ratio_met'])}")
+    print(f"  goal 2, {MA_RUN_PLAIN} <= {GOAL_MS:.0f} ms (median): {median:.0f} ms: "
+          f"{harness.verdict(goals['ms_met'])}")
+    return goals
+
+
+def torchrun_facts(python: str) -> Dict[str, Any]:
+    """torch's version and torchrun's default monitor interval, from the workers' interpreter."""
+    code = ("import torch, torch.distributed.run as run; "
+            "print(torch.__version__); print(run.get_args_parser().get_default('monitor_interval'))")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, env=clean_environment())
+    if done.returncode != 0:
+        sys.exit(f"{python} cannot import torch (the torchrun rows need it): {last_line(done.stderr)}")
+    version, interval = done.stdout.split()
+    return {"torch": version, "torchrun_default_monitor_interval_s": float(interval)}
+
+
+def environment_info(args: argparse.Namespace, facts: Dict[str, Any]) -> Dict[str, Any]:
+    return {
+        "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+        "rounds": args.rounds, "warmup": args.warmup, "run_seconds": args.run_seconds,
+        "ma_run": args.ma_run, "workers_python": args.python, **facts,
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    facts = torchrun_facts(args.python)
+    with tempfile.TemporaryDirectory(prefix="ma-bench-restart-") as scratch:
+        worker = os.path.join(scratch, "worker.py")
+        with open(worker, "w") as handle:
+            handle.write(WORKER_SOURCE)
+        harness.print_header(f"restart latency: ma-run ({args.ma_run}) against torchrun {facts['torch']} "
+                             f"(default monitor interval {facts['torchrun_default_monitor_interval_s']:g} s)",
+                             args.rounds, args.warmup)
+        rows = commands(args.python, args.ma_run, worker, args.run_seconds)
+        samples = harness.round_robin(tasks(rows, scratch, args.timeout, args.ma_run), args.rounds, args.warmup,
+                                      progress)
+    results = report(samples)
+    if args.json:
+        payload = {"environment": environment_info(args, facts), **results,
+                   "samples": {name: [vars(s) for s in rows] for name, rows in samples.items()}}
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2, default=harness.to_json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

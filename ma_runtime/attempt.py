@@ -1,0 +1,144 @@
+"""The attempt: which start of the command this is, how it is remembered, and whether there is a next.
+
+`Attempt` is the one value that names a start of the command (number and run id): the plan, the
+environment (`MA_PROC_START_CNT`), the log lines and the record all read it; nothing else reads
+`MA_PROC_START_CNT` to find out.
+
+The number survives the runtime. Before each launch it is written atomically to
+`<state>/attempt-<task>-<index>.json` with the pod it belongs to (`MA_VJ_NAME`, `VC_TASK_INDEX`,
+`MA_SCHEDULE_CNT`). A runtime started again in the same pod after the last one died without finishing
+(SIGKILL, the OOM killer) goes on from the record: the next attempt is the recorded one + 1, and the
+restart budget counts from the recorded first attempt. A runtime that finished, whatever its exit code,
+marks the record finished, so running the same job again (the demo twice on a laptop) starts afresh.
+`MA_PROC_START_CNT` from the platform is a floor: the platform's own restarts count too.
+
+`Policy.decide` is the restart rule: a failed attempt (non-zero exit, or death by a signal) is
+started again while the budget (`MA_RUNTIME_MAX_RESTARTS`) lasts, unless its exit code says not to
+(`MA_RUNTIME_NO_RESTART_EXIT_CODES`, and the runtime's own 78), a stop was requested, or the same
+failure came `MA_RUNTIME_SAME_FAILURE_LIMIT` times in a row (a deterministic bug must not burn the
+whole budget). Backoff: the first restart at once, then the base, doubling, up to `BACKOFF_CAP`
+(or the base, when that is larger).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from ma_runtime import files
+from ma_runtime.errors import ExitCode
+from ma_runtime.supervise.supervisor import State
+
+BACKOFF_CAP = 60.0
+# The runtime's own "bad configuration" is never worth a retry, whatever the setting says.
+ALWAYS_FINAL = (int(ExitCode.BAD_CONFIGURATION),)
+_RECORD_LIMIT = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    number: int  # MA_PROC_START_CNT of this start
+    run_id: str
+    first: int  # the first attempt of this runtime (or of the one it took over from): the budget counts from it
+
+    @property
+    def restarts(self) -> int:
+        return self.number - self.first
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    restart: bool
+    why: str = ""  # why not, when the job ends on a failure: the reason of an exit 82
+    gave_up: bool = False  # the job ends with 82: restarts were on and did not help
+    delay: float = 0.0  # backoff before the next attempt
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    max_restarts: int
+    no_restart_codes: Sequence[int]
+    same_failure_limit: int
+    backoff: float
+
+    @classmethod
+    def of(cls, spec) -> "Policy":
+        return cls(spec.max_restarts, tuple(spec.no_restart_exit_codes) + ALWAYS_FINAL, spec.same_failure_limit,
+                   spec.restart_backoff_seconds)
+
+    def decide(self, attempt: Attempt, verdict, history: Sequence[Any], stop_requested: bool) -> Decision:
+        """`history`: the verdicts of this runtime's attempts so far, the last one `verdict`."""
+        if verdict.state is not State.FAILED:
+            return Decision(False)
+        if stop_requested:
+            return Decision(False, "a stop was requested")
+        if self.max_restarts == 0:
+            return Decision(False)  # restarts off: the command's own code, as without the runtime
+        if verdict.exit_code in self.no_restart_codes:
+            return Decision(False, f"exit code {verdict.exit_code} means do not restart")
+        if self.same_failure_limit and _repeats(history) >= self.same_failure_limit:
+            return Decision(False, f"the same failure {_repeats(history)} times in a row", gave_up=True)
+        if attempt.restarts >= self.max_restarts:
+            return Decision(False, f"gave up after {attempt.restarts + 1} attempts: MA_RUNTIME_MAX_RESTARTS="
+                                   f"{self.max_restarts} restart(s) spent", gave_up=True)
+        return Decision(True, delay=self.delay(attempt.restarts + 1))
+
+    def delay(self, restart: int) -> float:
+        """Seconds before restart number `restart` (1, 2, ...)."""
+        if restart <= 1 or self.backoff <= 0:
+            return 0.0
+        return min(self.backoff * 2 ** (restart - 2), max(BACKOFF_CAP, self.backoff))
+
+
+def _repeats(history: Sequence[Any]) -> int:
+    """How many of the last verdicts in a row are the same failure as the last one."""
+    count = 0
+    for verdict in reversed(history):
+        if verdict.failure_key != history[-1].failure_key:
+            break
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def record_path(spec) -> Path:
+    return spec.state_dir / f"attempt-{spec.task_name}-{spec.task_index}.json"
+
+
+def _pod(spec) -> Dict[str, Any]:
+    return {"vj_name": spec.vj_name, "task_name": spec.task_name, "task_index": spec.task_index,
+            "schedule_cnt": spec.schedule_cnt}
+
+
+def first(spec, run_id: str, log) -> Attempt:
+    """The first attempt of this runtime: the platform's count, or the record of a runtime that died."""
+    floor = spec.proc_start_cnt
+    previous = _read(spec)
+    if previous and previous.get("pod") == _pod(spec) and not previous.get("finished"):
+        number = max(floor, int(previous["attempt"]) + 1)
+        log.info("continuing after a runtime that did not finish", previous_attempt=previous["attempt"],
+                 attempt=number, record=str(record_path(spec)))
+        return Attempt(number, run_id, min(number, int(previous.get("first", number))))
+    return Attempt(floor, run_id, floor)
+
+
+def record(spec, attempt: Attempt, finished: bool = False) -> None:
+    """Before each launch (finished=False) and at the end of the run (finished=True)."""
+    document = {"pod": _pod(spec), "attempt": attempt.number, "first": attempt.first, "run_id": attempt.run_id,
+                "finished": finished}
+    path = record_path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_atomically(path, (json.dumps(document) + "\n").encode())
+
+
+def _read(spec) -> Optional[Dict[str, Any]]:
+    try:
+        data = files.read_regular(record_path(spec), _RECORD_LIMIT)
+        document = json.loads(data) if data else None
+    except (OSError, ValueError):
+        return None  # unreadable or foreign: start from the platform's count
+    if not isinstance(document, dict) or not isinstance(document.get("attempt"), int):
+        return None
+    return document

@@ -1,0 +1,250 @@
+"""Between attempts: wait until the accelerator tool lists no process on this container's devices.
+
+A killed rank can keep its device for a while: the driver frees device memory only once
+every handle is closed, and a process stuck in the driver (uninterruptible sleep) keeps
+it for good. Relaunching onto such a device fails again, with an out-of-memory error
+that blames the job, so the runtime checks first, and a device that stays held ends the
+job with exit 84 (the node needs attention) instead of relaunching onto it.
+
+Which tool asks is the preflight's decision (`accelerator.choose`): NPU asks
+`npu-smi info` and reads its process table; GPU asks
+`nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_bus_id`. Both list only
+the devices mounted into this container. A CPU job, MA_RUNTIME_PREFLIGHT_ACCELERATOR=none,
+or no tool on PATH leaves nothing to ask: the wait returns at once.
+
+A tool that fails (non-zero exit, output that is not the table we know, no answer within
+MA_RUNTIME_PREFLIGHT_TOOL_TIMEOUT_SECONDS) has not said the devices are free: the wait
+keeps asking, and if the tool never answers well it is the tool's failure that the
+error reports. Nothing is read as "released" that the tool did not say.
+
+nvidia-smi reports host pids, and in a container with its own pid namespace the process
+name reads `[Not Found]`: the pid in a message is then the host's, which is what the
+node's operator needs. The default `nvidia-smi` table hides such processes; the query
+does not.
+"""
+
+import os
+import re
+import shutil
+import time
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Tuple
+
+from ma_runtime.errors import DeviceNotReleased
+from ma_runtime.preflight import accelerator
+from ma_runtime.preflight.accelerator import GPU, first_line
+from ma_runtime.preflight.model import ToolError, run_tool
+
+# npu-smi takes a good part of a second per call and walks every card's driver; asking more often
+# would load the driver the ranks are leaving without ending the wait any sooner.
+POLL_SECONDS = 0.5
+# Holders named in the error; a node with 16 chips x several processes would make an unreadable line.
+NAMED_HOLDERS = 8
+_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]")
+_NO_PROCESS = "No running processes found"
+# A cell that holds no value: npu-smi prints NA, nvidia-smi [N/A] or [Not Supported].
+_NO_VALUE = {"", "NA", "N/A", "[N/A]", "[Not Supported]"}
+
+# pause(seconds) sleeps up to `seconds` and says whether a stop was requested meanwhile.
+Pause = Callable[[float], bool]
+
+
+class Holder(NamedTuple):
+    """A process the tool lists on one of the devices."""
+
+    device: str  # as messages name it: "NPU 3", "NPU 0 chip 1", "GPU 00000000:47:00.0"
+    pid: int  # as the tool reports it (nvidia-smi: the host's)
+    name: str  # "" when the tool shows none
+    memory_mb: Optional[int]  # None when the tool shows none
+
+    def describe(self) -> str:
+        return f"{self.device} pid {self.pid}" + (f" ({self.name})" if self.name else "")
+
+
+class Listing(NamedTuple):
+    """What one call of the tool said."""
+
+    tool: str  # the command line, as messages quote it
+    holders: List[Holder]
+    failure: Optional[str] = None  # why the tool said nothing usable: "npu-smi info exited 255: ..."
+
+    @property
+    def released(self) -> bool:
+        return self.failure is None and not self.holders
+
+
+class Tool(NamedTuple):
+    """An accelerator tool: how to run it and read what it lists (NPU_TOOL, GPU_TOOL at the end)."""
+
+    label: str  # the command, as messages quote it
+    argv: Tuple[str, ...]
+    parse: Callable[[str], List[Holder]]
+
+
+class Unparsable(ValueError):
+    """Tool output that is not the table we know; the message quotes the line."""
+
+
+def busy(spec: Any, environ: Mapping[str, str]) -> Optional[Listing]:
+    """What the tool lists on this container's devices now; None when there is no tool to ask."""
+    tool = _tool(spec, environ)
+    if tool is None:
+        return None
+    try:
+        returncode, out, err = run_tool(tool.argv, spec.preflight_tool_timeout_seconds, env=dict(environ))
+    except ToolError as error:
+        return Listing(tool.label, [], error.message)
+    if returncode != 0:
+        said = first_line(err + "\n" + out) or "no output"
+        return Listing(tool.label, [], f"{tool.label} exited {returncode}: {said}")
+    try:
+        return Listing(tool.label, tool.parse(out))
+    except Unparsable as error:
+        return Listing(tool.label, [], f"{tool.label} printed {error}")
+
+
+def _tool(spec: Any, environ: Mapping[str, str]) -> Optional[Tool]:
+    choice = accelerator.choose(spec, environ)
+    if choice.flavour is None or choice.missing:
+        return None
+    tool = GPU_TOOL if choice.flavour == GPU else NPU_TOOL
+    # The PATH the tool will run with; without the tool there is nothing to ask.
+    if not shutil.which(tool.argv[0], path=environ.get("PATH", os.defpath)):
+        return None
+    return tool
+
+
+def wait_released(spec: Any, environ: Mapping[str, str], seconds: float, pause: Pause, log: Any) -> bool:
+    """Poll `busy` until the devices are free: True once they are, False when `pause` reported a stop.
+
+    The first check is at once (after a clean exit the devices are usually free already);
+    `seconds` = 0 checks once. Raises DeviceNotReleased when the deadline passes with the
+    devices still listed or the tool still failing. A stop ends the wait at once, but a
+    tool call in progress runs to its end (at most its timeout) first.
+    """
+    started = time.monotonic()
+    listing = busy(spec, environ)
+    if listing is None or listing.released:
+        return True
+    log.info("waiting for the accelerators to be released", tool=listing.tool, timeout_s=seconds,
+             **_state(listing))
+    while True:
+        left = started + seconds - time.monotonic()
+        if left <= 0:
+            raise not_released(listing, seconds)
+        if pause(min(POLL_SECONDS, left)):
+            return False
+        listing = busy(spec, environ)
+        if listing is None or listing.released:
+            log.info("accelerators released", waited_s=round(time.monotonic() - started, 2))
+            return True
+
+
+def _state(listing: Listing) -> dict:
+    if listing.failure:
+        return {"tool_error": listing.failure}
+    return {"holders": [holder.describe() for holder in listing.holders]}
+
+
+def not_released(listing: Listing, seconds: float) -> DeviceNotReleased:
+    if listing.failure:
+        reason = f"could not check that the accelerators were released within {seconds:g} s: {listing.failure}"
+    else:
+        reason = f"the accelerators were not released within {seconds:g} s: {listing.tool} still lists " \
+                 + _named(listing.holders)
+    hint = (
+        "the node needs attention (a process stuck in the driver, another container, or a hung driver): the job"
+        " is not relaunched onto a device that is still held; drain the node and reschedule the job"
+        f" (MA_RUNTIME_DEVICE_RELEASE_SECONDS sets the wait, now {seconds:g})"
+    )
+    return DeviceNotReleased(reason, hint)
+
+
+def _named(holders: List[Holder]) -> str:
+    named = ", ".join(holder.describe() for holder in holders[:NAMED_HOLDERS])
+    more = len(holders) - NAMED_HOLDERS
+    return named + (f" and {more} more" if more > 0 else "")
+
+
+def parse_npu(out: str) -> List[Holder]:
+    """The process table after the NPU table of `npu-smi info`.
+
+    Rows: `| <npu> <chip> | <pid> | <name> | <memory> |` (npu-smi 25 adds `| <pid in
+    container> |`; Ascend 950 has one `NPU ID` cell instead of NPU and chip). Several
+    processes on one NPU are consecutive rows; an idle NPU has one row
+    `No running processes found in NPU <n>`. Columns are found by their header, so the
+    versions' different layouts read alike.
+    """
+    lines = out.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Process id" in _cells(line)), None)
+    if start is None:
+        raise Unparsable(f"no process table: {first_line(out) or 'no output'}")
+    header = _cells(lines[start])
+    pid_at, name_at = header.index("Process id"), _column(header, "Process name")
+    memory_at = _column(header, "Process memory")
+    holders = []
+    for line in lines[start + 1:]:
+        cells = _cells(line)
+        # Ascend 950 prints a row of NA for an idle NPU.
+        if not cells or cells[0].startswith(_NO_PROCESS) or (len(cells) > 1 and set(cells[1:]) <= _NO_VALUE):
+            continue
+        if len(cells) < len(header):
+            raise Unparsable(f"an unexpected process row: {line.strip()}")
+        holders.append(Holder(_npu_device(cells[0], line), _pid(cells[pid_at], line),
+                              cells[name_at] if name_at is not None else "",
+                              _memory(cells[memory_at]) if memory_at is not None else None))
+    return holders
+
+
+def _cells(line: str) -> List[str]:
+    line = line.strip()
+    if not line.startswith("|"):
+        return []
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def _column(header: List[str], title: str) -> Optional[int]:
+    return next((i for i, cell in enumerate(header) if cell.startswith(title)), None)
+
+
+def _npu_device(cell: str, line: str) -> str:
+    ids = cell.split()
+    if not ids or not all(part.isdigit() for part in ids):
+        raise Unparsable(f"an unexpected process row: {line.strip()}")
+    # Chip 0 is the only chip of most NPUs (910B); others (310P, 910 pro) have several.
+    chip = ids[1] if len(ids) > 1 else "0"
+    return f"NPU {ids[0]}" + (f" chip {chip}" if chip != "0" else "")
+
+
+def _pid(cell: str, line: str) -> int:
+    if not cell.isdigit():
+        raise Unparsable(f"an unexpected process row: {line.strip()}")
+    return int(cell)
+
+
+def _memory(cell: str) -> Optional[int]:
+    match = re.match(r"\d+", cell)
+    return int(match[0]) if match else None
+
+
+def parse_gpu(out: str) -> List[Holder]:
+    """`nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_bus_id` rows, no header.
+
+    `<pid>, <name>, <MiB>, <bus id>`, one line per process and GPU; nothing at all when no
+    process runs. A name can hold ", ", so the fixed fields are read from both ends.
+    Memory reads `[N/A]` where the driver cannot tell (MIG, some containers).
+    """
+    holders = []
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        fields = [field.strip() for field in line.split(", ")]
+        if len(fields) < 4 or not fields[0].isdigit() or not _BUS_ID.fullmatch(fields[-1]):
+            raise Unparsable(f"an unexpected line: {line.strip()}")
+        name = ", ".join(fields[1:-2])
+        holders.append(Holder(f"GPU {fields[-1]}", int(fields[0]), name, _memory(fields[-2])))
+    return holders
+
+
+NPU_TOOL = Tool("npu-smi info", ("npu-smi", "info"), parse_npu)
+GPU_TOOL = Tool("nvidia-smi", ("nvidia-smi", "--query-compute-apps=pid,process_name,used_memory,gpu_bus_id",
+                               "--format=csv,noheader,nounits"), parse_gpu)
