@@ -41,7 +41,7 @@ from ma_runtime.stagein import Staged, code_dir, stage_in
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, become_subreaper, is_pid1
 from ma_runtime.supervise.supervisor import Outcome, Supervisor
-from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, descendants, spawn, sweep
+from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, descendants, processes, spawn, sweep
 
 # The resolved settings that have a platform name are exported to the command
 # under that name, so it sees the same job the runtime saw (MA_PROC_START_CNT: the attempt's number).
@@ -234,15 +234,13 @@ class _Context:
         command, but nothing else does."""
         exclude = (self.guard.pid,) if self.guard is not None else ()
         me = os.getpid()
-        if descendants(me, exclude):
-            sweep(lambda: {pid: proc for pid, proc in _table_of(me, exclude).items()}, _STRAGGLER_KILL_SECONDS)
 
+        def members() -> Dict[int, Any]:
+            table = processes()
+            return {pid: table[pid] for pid in descendants(me, exclude, table)}
 
-def _table_of(root: int, exclude) -> Dict[int, Any]:
-    from ma_runtime.supervise.worker import processes
-
-    table = processes()
-    return {pid: table[pid] for pid in descendants(root, exclude, table)}
+        if members():
+            sweep(members, _STRAGGLER_KILL_SECONDS)
 
 
 def _record_quietly(spec, attempt, finished: bool = False) -> None:

@@ -5,15 +5,31 @@ starts the command, so `ma-run python train.py --lr 1` never mistakes `--lr`
 for ours. Usage errors print one line and exit with "bad configuration".
 """
 
-import argparse
 import os
-import signal
 import sys
-from typing import List, NoReturn, Optional, Sequence, Tuple
 
-from ma_runtime import __version__
-from ma_runtime.errors import ExitCode
-from ma_runtime.spec import CONFIG_ENV, SETTINGS, BadValue, parse_check_names, parse_seconds, shown
+
+def _runs_a_command(argv: list) -> bool:
+    """`ma-run ...`, `ma-runtime run ...` or `python -m ma_runtime run ...`: not an operator command."""
+    return os.path.basename(argv[0]) == "ma-run" or argv[1:2] == ["run"]
+
+
+# ma-run's signal regime starts here, before the imports below (tens of milliseconds): as PID 1 the
+# kernel drops a signal that has no handler, and a SIGTERM in that window would be lost.
+if _runs_a_command(sys.argv):
+    from ma_runtime.supervise.signals import SignalQueue
+
+    _SIGNALS: "Optional[SignalQueue]" = SignalQueue()
+else:
+    _SIGNALS = None
+
+import argparse  # noqa: E402 - after the signal queue, on purpose
+import signal  # noqa: E402
+from typing import List, NoReturn, Optional, Sequence, Tuple  # noqa: E402
+
+from ma_runtime import __version__  # noqa: E402
+from ma_runtime.errors import ExitCode  # noqa: E402
+from ma_runtime.spec import CONFIG_ENV, SETTINGS, BadValue, parse_check_names, parse_seconds, shown  # noqa: E402
 
 _EXIT_CODES = "\n".join(
     f"  {int(code):>3}  {code.name.lower().replace('_', ' ')}" for code in ExitCode if code != ExitCode.OK
@@ -87,11 +103,11 @@ def split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple
 
 
 def run_main(argv: Sequence[str], prog: str) -> int:
-    # The one signal regime, first: a SIGTERM from here to the exit is a number in a queue, never lost
-    # (PID 1 drops a signal it has no handler for) and never an exception in the middle of a stage.
-    from ma_runtime.supervise.pid1 import SignalQueue
+    # The one signal regime: a SIGTERM from the queue's start to the exit is a number in a queue, never
+    # lost (PID 1 drops a signal it has no handler for) and never an exception in the middle of a stage.
+    from ma_runtime.supervise.signals import SignalQueue
 
-    signals = SignalQueue()
+    signals = _SIGNALS or SignalQueue()
     parser = _run_parser(prog)
     ours, command = split_command(parser, argv)
     options = parser.parse_args(ours)

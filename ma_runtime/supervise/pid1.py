@@ -1,8 +1,8 @@
 """The duties of an init process, one small function each (tini's shape).
 
 - `become_subreaper`: outside a PID namespace, orphans come to us instead of init.
-- `SignalQueue`: handlers do nothing but wake the main loop through a pipe
-  (gunicorn's arbiter); the loop reads signal numbers from it and acts there.
+- `SignalQueue` (supervise/signals.py, light enough to be the CLI's first import):
+  handlers do nothing but wake the main loop through a pipe (gunicorn's arbiter).
 - `reap`: the single `waitpid(-1)` loop of the process. It records the status of
   the pids the supervisor tracks and discards the rest, so `Popen.wait` never
   races it for a status (we never call `Popen.wait`).
@@ -13,26 +13,14 @@
 import ctypes
 import ctypes.util
 import os
-import select
-import signal
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from ma_runtime import children
+from ma_runtime.supervise.signals import FORWARDED, STOPPING, SignalQueue  # noqa: F401 - the init duties, in one place
 
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 
-# Signals passed on to the command's process group (SIGCHLD only wakes the loop).
-FORWARDED = (
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-)
-# Signals that start a stop: forward, wait the grace period, then SIGKILL.
-STOPPING = (signal.SIGTERM, signal.SIGINT)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -74,52 +62,6 @@ def set_command_line(words: Sequence[str]) -> bool:
     text = b"\0".join(word.encode() for word in words)[: size - 1]
     ctypes.memmove(start, text.ljust(size, b"\0"), size)
     return True
-
-
-# No signal has number 0: the byte `wake` writes.
-_WAKE = 0
-
-
-class SignalQueue:
-    """Turns asynchronous signals into numbers read synchronously by the main loop."""
-
-    def __init__(self, signals=FORWARDED) -> None:
-        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        self._previous = {}
-        for signum in tuple(signals) + (signal.SIGCHLD,):
-            # The handler is empty on purpose: the C-level handler has already
-            # written the signal number to the wake-up pipe.
-            self._previous[signum] = signal.signal(signum, _ignore_in_python)
-
-    def wait(self, timeout: Optional[float]) -> List[int]:
-        """Signals received, in order; [] after `timeout` seconds with none, or after a `wake`."""
-        ready, _, _ = select.select([self._read_fd], [], [], timeout)
-        if not ready:
-            return []
-        try:
-            data = os.read(self._read_fd, 4096)
-        except BlockingIOError:
-            return []
-        return [signum for signum in data if signum != _WAKE]
-
-    def wake(self) -> None:
-        """Ends a `wait` from another thread (a stage that finished), as a signal would."""
-        try:
-            os.write(self._write_fd, bytes([_WAKE]))
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
-
-    def close(self) -> None:
-        signal.set_wakeup_fd(-1)
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        os.close(self._read_fd)
-        os.close(self._write_fd)
-
-
-def _ignore_in_python(_signum, _frame) -> None:
-    return None
 
 
 def reap(tracked: Dict[int, Optional[int]]) -> Dict[int, int]:
