@@ -258,9 +258,11 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
     log = logs.get_logger()
     policy = attempt_module.Policy.of(spec)
     history: List[verdict_module.Verdict] = []
+    when = "before the command started"
     while True:
+        # In the stage thread: msrun's plan may wait for worker-0's name to resolve.
+        plan = context.wait_for(functools.partial(_plan, spec, command, prepared, attempt), when)
         context.attempt = attempt
-        plan = _plan(spec, command, prepared, attempt)
         _record_quietly(spec, attempt)
         outcome = _launch(spec, plan, attempt, context, prepared)
         verdict = _verdict(outcome, plan, attempt)
@@ -276,7 +278,8 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
         attempt = dataclasses.replace(attempt, number=attempt.number + 1)
 
 
-def _plan(spec: spec_module.JobSpec, command: Sequence[str], prepared: _Prepared, attempt) -> plan_module.Plan:
+def _plan(spec: spec_module.JobSpec, command: Sequence[str], prepared: _Prepared, attempt,
+          _stopped: threading.Event) -> plan_module.Plan:
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
     argv = build_argv(command, [*prepared.staged.arguments, *spec.hyperparameters])
     resolve = functools.partial(resolve_until, seconds=spec.master_resolve_seconds)

@@ -398,3 +398,30 @@ def test_a_stop_between_attempts_starts_no_further_attempt(job_env, tmp_path, ru
         143, "restart", "stopped by SIGTERM between attempts 2 and 3")
     assert marked(str(attempts)) == []
     assert not alive(runtime.target)
+
+
+def test_a_stop_while_msruns_plan_waits_for_worker_0s_name_ends_the_run_at_once(job_env, tmp_path, runtimes):
+    """msrun wants worker-0's IP, and a node's DNS record can lag: the plan waits up to
+    MA_RUNTIME_MASTER_RESOLVE_SECONDS for it. That wait is a stage like the others."""
+    fake_msrun = tmp_path / "bin" / "msrun"  # found, never run: the run stops before the spawn
+    fake_msrun.parent.mkdir()
+    fake_msrun.write_text("#!/bin/sh\nexit 99\n")
+    fake_msrun.chmod(0o755)
+    env = {**job_env, "MA_RUNTIME_PREFLIGHT": "0", "MA_RUN_METHOD": "msrun", "MA_NUM_HOSTS": "2",
+           "VC_TASK_INDEX": "1", "VC_WORKER_HOSTS": "worker-0.never.invalid,worker-1.never.invalid",
+           "MA_RUNTIME_MASTER_RESOLVE_SECONDS": "600", "PATH": f"{fake_msrun.parent}{os.pathsep}{job_env['PATH']}"}
+    runtime = start(runtimes, env, ["python3", "train.py"])
+    deadline = time.monotonic() + 20
+    while "preflight skipped" not in (log_dir(env) / "modelarts-job-local-worker-1.log").read_text() \
+            if (log_dir(env) / "modelarts-job-local-worker-1.log").exists() else True:
+        assert runtime.poll() is None and time.monotonic() < deadline, "the runtime never got to the plan"
+        time.sleep(0.05)
+    time.sleep(0.5)  # in the resolve loop now
+
+    out, err, seconds = stop(runtime)
+
+    assert runtime.returncode == 143, err[-3000:]
+    assert seconds < STOPPED_WITHIN  # not the 600 s resolve wait
+    assert "error,exiting: stopped by SIGTERM before the command started" in err
+    message = json.loads((log_dir(env) / "modelarts-job-local-worker-1-termination.json").read_text())
+    assert (message["exit_code"], message["stage"]) == (143, "startup")
