@@ -128,7 +128,9 @@ class Supervisor:
             self.guard.watch_pipes(inode for worker in self.workers for inode in worker.pipe_inodes)
         while self._live():
             self._record_tree()
-            for signum in self.signals.wait(self._timeout(stop)):
+            # Each signal once per wake-up, as the kernel merges a pending one: a flood of SIGHUPs costs a
+            # forward and a log line per turn, not per signal.
+            for signum in dict.fromkeys(self.signals.wait(self._timeout(stop))):
                 self._on_signal(stop, signum)
             for worker in self._reap():
                 self._on_exit(stop, worker)

@@ -22,6 +22,7 @@ from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch.base import Context, Plan, RootCause, WorkerPlan
 from ma_runtime.supervise.worker import Proc, processes
 from tests.conftest import MA_RUNTIME, alive, wait_for_file
+from tests.e2e.test_launchers import TORCH_BIN, needs_torch
 
 LAUNCH_FOLDER = Path(plan_module.__file__).parent
 TORCHRUN_SUMMARY = [
@@ -194,8 +195,9 @@ def pending_signals(pid: int) -> int:
     return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
 
 
+@needs_torch
 def test_the_real_torchrun_signals_exactly_the_processes_forwards_to_names(tmp_path):
-    torchrun = Path(sys.executable).parent / "torchrun"
+    torchrun = TORCH_BIN / "torchrun"  # the project's .venv (Python 3.11) has torch; the 3.9 one does not
     script, out = tmp_path / "rank.py", tmp_path / "out"
     script.write_text(RANK_SCRIPT)
     out.mkdir()
