@@ -2,6 +2,13 @@
 
 It supervises one worker or several (one per rank). With several, the first to
 fail (while no stop is under way) stops the others, and its status is the job's.
+One attempt is one `run()`; its `Outcome` says how it ended (`State`) and when a
+stop was requested, and the attempt loop (bootstrap) decides what comes next.
+
+Each process gets a stop signal once (`_stop_all`): a killpg per worker group,
+and a descendant outside those groups directly, unless its launcher passes the
+stop on itself (`forwards`, from launch/<method>.forwards_to). A second stop
+request is not passed on: it would interrupt the cleanup the first one started.
 
 Every SIGKILL it sends goes through worker.sweep (stop the tree, then kill it,
 until it is empty): the grace-over kill and the kill of leftovers alike, so a

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime.launch import failures, registry
 from ma_runtime.launch import plan as plan_module
+from ma_runtime.launch import registry
 from ma_runtime.launch.base import Context, Plan, RootCause, WorkerPlan
 from ma_runtime.supervise.worker import Proc, processes
 from tests.conftest import MA_RUNTIME, alive, wait_for_file
@@ -95,11 +95,6 @@ def test_only_torchrun_finds_a_root_cause_in_its_output():
     assert registry.launcher("torchrun").root_cause(TORCHRUN_SUMMARY) == RootCause(1, 3)
     for name in ("plain", "rtf", "msrun"):
         assert registry.launcher(name).root_cause(TORCHRUN_SUMMARY) is None, name
-
-
-def test_the_old_failures_module_is_torchruns_parser():
-    assert failures.torchrun_root_cause(TORCHRUN_SUMMARY) == RootCause(1, 3)
-    assert failures.RootCause is RootCause
 
 
 def test_only_msrun_has_a_rank_log_folder(tmp_path):
