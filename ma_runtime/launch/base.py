@@ -30,7 +30,7 @@ import dataclasses
 import os
 import re
 import shutil
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 from ma_runtime.errors import ConfigError
 
@@ -149,3 +149,17 @@ def python_folder(context: Context) -> Optional[str]:
     found = program if os.sep in program else context.which(program, context.environ.get("PATH", os.defpath))
     return os.path.dirname(os.path.abspath(found)) if found else None
 
+
+# What a launcher without the matching trait says (plain and rtf: the runtime's own processes).
+
+
+def forwards_nothing(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+    return set()
+
+
+def no_root_cause(lines: Sequence[str]) -> Optional[RootCause]:
+    return None
+
+
+def no_rank_logs(plan: Plan) -> Optional[str]:
+    return None

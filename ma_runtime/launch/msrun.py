@@ -16,19 +16,20 @@ from `rank_logs`. Each attempt writes to its own folder, `msrun/attempt-<N>`.
 
 import os
 import shlex
-from typing import Any, Mapping, Optional, Sequence, Set
+from typing import Optional
 
 from ma_runtime.errors import ConfigError
 from ma_runtime.launch.base import (
     PYTHON,
     Context,
     Plan,
-    RootCause,
     WorkerPlan,
     check_node_rank,
     common_env,
     find_launcher,
+    forwards_nothing,
     master_host,
+    no_root_cause,
     per_node,
     python_folder,
 )
@@ -78,12 +79,8 @@ def _python_first(context: Context) -> str:
     return os.pathsep.join([folder, *(part for part in path.split(os.pathsep) if part and part != folder)])
 
 
-def forwards_to(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
-    return set()  # see the module docstring: SIGTERM reaches no rank, SIGINT only SIGKILLs them
-
-
-def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
-    return None
+# See the module docstring: SIGTERM reaches no rank, SIGINT only SIGKILLs them; no summary names a rank.
+forwards_to, root_cause = forwards_nothing, no_root_cause
 
 
 def rank_logs(plan: Plan) -> Optional[str]:

@@ -5,10 +5,17 @@ signal to its process group is the stop. Its exit code is its own, and its
 output comes through the runtime's pipes.
 """
 
-from typing import Any, Mapping, Optional, Sequence, Set
 
 from ma_runtime.errors import ConfigError
-from ma_runtime.launch.base import Context, Plan, RootCause, WorkerPlan, common_env
+from ma_runtime.launch.base import (
+    Context,
+    Plan,
+    WorkerPlan,
+    common_env,
+    forwards_nothing,
+    no_rank_logs,
+    no_root_cause,
+)
 
 NAME = "plain"
 TAKES_NPROC_PER_NODE = False  # one process; a setting that asks for more is an error
@@ -26,13 +33,4 @@ def build(spec, context: Context, why: str) -> Plan:
     return Plan(NAME, why, (worker,), spec.num_hosts, 1)
 
 
-def forwards_to(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
-    return set()
-
-
-def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
-    return None
-
-
-def rank_logs(plan: Plan) -> Optional[str]:
-    return None
+forwards_to, root_cause, rank_logs = forwards_nothing, no_root_cause, no_rank_logs

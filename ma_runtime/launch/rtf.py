@@ -6,10 +6,17 @@ once), each exit code is the rank's own, and each rank's output comes through
 the runtime's pipes (and into its proc log).
 """
 
-from typing import Any, Mapping, Optional, Sequence, Set
 
 from ma_runtime.errors import ConfigError
-from ma_runtime.launch.base import Context, Plan, RootCause, WorkerPlan, common_env
+from ma_runtime.launch.base import (
+    Context,
+    Plan,
+    WorkerPlan,
+    common_env,
+    forwards_nothing,
+    no_rank_logs,
+    no_root_cause,
+)
 
 NAME = "rtf"
 TAKES_NPROC_PER_NODE = False  # the rank table's count; a setting that asks for another is an error
@@ -55,13 +62,4 @@ def _rank(spec, context: Context, prepared, device) -> WorkerPlan:
                       rank=device.rank_id)
 
 
-def forwards_to(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
-    return set()
-
-
-def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
-    return None
-
-
-def rank_logs(plan: Plan) -> Optional[str]:
-    return None
+forwards_to, root_cause, rank_logs = forwards_nothing, no_root_cause, no_rank_logs

@@ -12,6 +12,7 @@ from ma_runtime import spec
 from ma_runtime.errors import DeviceNotReleased, ExitCode
 from ma_runtime.supervise import devices
 from ma_runtime.supervise.devices import Holder
+from tests.unit.test_preflight_accelerators import NPU_SMI_SAMPLE
 
 FAKES = Path(__file__).resolve().parent.parent / "fakes"
 GPU_NODES = [f"nvidia{i}" for i in range(8)] + ["nvidiactl", "nvidia-uvm"]
@@ -68,28 +69,8 @@ NPU_25_BUSY = """\
 +===========================+===============+======================================================================+
 """
 
-# The real `npu-smi info` of a two-card 910B server with nothing running (as in the preflight tests).
-NPU_IDLE = """\
-+------------------------------------------------------------------------------------------------+
-| npu-smi 23.0.rc2                 Version: 23.0.rc2                                             |
-+---------------------------+---------------+----------------------------------------------------+
-| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
-| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
-+===========================+===============+====================================================+
-| 0     910B3               | OK            | 93.6        40                0    / 0             |
-| 0                         | 0000:C1:00.0  | 0           0    / 0          3161 / 65536         |
-+===========================+===============+====================================================+
-| 1     910B3               | OK            | 89.9        38                0    / 0             |
-| 0                         | 0000:C2:00.0  | 0           0    / 0          3162 / 65536         |
-+===========================+===============+====================================================+
-+---------------------------+---------------+----------------------------------------------------+
-| NPU     Chip              | Process id    | Process name             | Process memory(MB)      |
-+===========================+===============+====================================================+
-| No running processes found in NPU 0                                                            |
-+===========================+===============+====================================================+
-| No running processes found in NPU 1                                                            |
-+===========================+===============+====================================================+
-"""
+# The real `npu-smi info` of a two-card 910B server with nothing running: the preflight tests' sample.
+NPU_IDLE = NPU_SMI_SAMPLE
 
 # `nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_bus_id --format=csv,noheader,nounits`:
 # a named process, a host pid a container cannot name ([Not Found], memory [N/A]), a name with ", ".
