@@ -19,6 +19,12 @@ MARKS = os.environ.get("MARKS", "")
 ATTEMPT = int(os.environ.get("MA_PROC_START_CNT", "0"))
 
 
+def say(text):
+    """One line in one write(): ranks sharing the launcher's stdout never interleave mid-line (print writes
+    the text and its newline separately when unbuffered)."""
+    os.write(1, (text + "\n").encode())
+
+
 def register(rank, launched=False):
     """Records this start; with `launched`, our parent (torchrun, msrun) counts as the attempt's too."""
     record = {"pid": os.getpid(), "launcher": os.getppid() if launched else None, "started": time.time()}

@@ -28,11 +28,11 @@ class AllReduce(nn.Cell):
 
 rank = get_rank()
 marks.register(rank, launched=True)
-print(f"rank {rank} attempt {marks.ATTEMPT}: earlier attempts alive: {marks.survivors()}", flush=True)
+marks.say(f"rank {rank} attempt {marks.ATTEMPT}: earlier attempts alive: {marks.survivors()}")
 if marks.ATTEMPT == 1:
     if rank == 1:
         marks.crash(rank, 1)
     time.sleep(300)
 result = AllReduce()(ms.Tensor(np.array([rank + 1.0], np.float32)))
-print(f"rank {rank} attempt {marks.ATTEMPT}: all_reduce={result.asnumpy()[0]}", flush=True)
+marks.say(f"rank {rank} attempt {marks.ATTEMPT}: all_reduce={result.asnumpy()[0]}")
 marks.finish(rank)

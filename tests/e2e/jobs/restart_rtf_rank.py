@@ -29,7 +29,7 @@ processes = os.environ.get("FAKE_SMI_PROCESS_DIR")
 if processes:
     with open(os.path.join(processes, f"{os.environ['DEVICE_ID']}-{os.getpid()}"), "w") as handle:
         handle.write("python")
-print(f"rank {rank} attempt {marks.ATTEMPT}: earlier attempts alive: {marks.survivors()}", flush=True)
+marks.say(f"rank {rank} attempt {marks.ATTEMPT}: earlier attempts alive: {marks.survivors()}")
 if marks.ATTEMPT == 1 and rank == int(os.environ["FAIL_RANK"]):
     wait_for_every_rank(rank)
     marks.crash(rank, 1)

@@ -14,13 +14,13 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 marks.register(rank, launched=True)
-print(f"rank {rank} attempt {marks.ATTEMPT}: earlier attempts alive: {marks.survivors()}", flush=True)
+marks.say(f"rank {rank} attempt {marks.ATTEMPT}: earlier attempts alive: {marks.survivors()}")
 if marks.ATTEMPT == 1:
     if rank == 1:
         marks.crash(rank, 1)
     time.sleep(300)
 value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
-print(f"rank {rank} attempt {marks.ATTEMPT}: all_reduce={value.item()}", flush=True)
+marks.say(f"rank {rank} attempt {marks.ATTEMPT}: all_reduce={value.item()}")
 dist.destroy_process_group()
 marks.finish(rank)
