@@ -89,7 +89,7 @@ def parse_table(out: str) -> List[Npu]:
     for line in out.splitlines():
         if "Process id" in line:
             break
-        cells = _cells(line)
+        cells = row_cells(line)
         if len(cells) < 3:
             continue
         head = cells[0].split()
@@ -101,7 +101,8 @@ def parse_table(out: str) -> List[Npu]:
     return npus
 
 
-def _cells(line: str) -> List[str]:
+def row_cells(line: str) -> List[str]:
+    """The cells of one `| a | b |` row of npu-smi's tables; [] for a border or any other line."""
     line = line.strip()
     if not line.startswith("|"):
         return []

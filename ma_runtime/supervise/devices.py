@@ -33,6 +33,7 @@ from ma_runtime.errors import DeviceNotReleased
 from ma_runtime.preflight import accelerator
 from ma_runtime.preflight.accelerator import GPU, first_line
 from ma_runtime.preflight.model import ToolError, run_tool
+from ma_runtime.preflight.npu import row_cells
 
 # npu-smi takes a good part of a second per call and walks every card's driver; asking more often
 # would load the driver the ranks are leaving without ending the wait any sooner.
@@ -175,15 +176,15 @@ def parse_npu(out: str) -> List[Holder]:
     versions' different layouts read alike.
     """
     lines = out.splitlines()
-    start = next((i for i, line in enumerate(lines) if "Process id" in _cells(line)), None)
+    start = next((i for i, line in enumerate(lines) if "Process id" in row_cells(line)), None)
     if start is None:
         raise Unparsable(f"no process table: {first_line(out) or 'no output'}")
-    header = _cells(lines[start])
+    header = row_cells(lines[start])
     pid_at, name_at = header.index("Process id"), _column(header, "Process name")
     memory_at = _column(header, "Process memory")
     holders = []
     for line in lines[start + 1:]:
-        cells = _cells(line)
+        cells = row_cells(line)
         # Ascend 950 prints a row of NA for an idle NPU.
         if not cells or cells[0].startswith(_NO_PROCESS) or (len(cells) > 1 and set(cells[1:]) <= _NO_VALUE):
             continue
@@ -193,13 +194,6 @@ def parse_npu(out: str) -> List[Holder]:
                               cells[name_at] if name_at is not None else "",
                               _memory(cells[memory_at]) if memory_at is not None else None))
     return holders
-
-
-def _cells(line: str) -> List[str]:
-    line = line.strip()
-    if not line.startswith("|"):
-        return []
-    return [cell.strip() for cell in line.strip("|").split("|")]
 
 
 def _column(header: List[str], title: str) -> Optional[int]:

@@ -171,3 +171,22 @@ def test_a_stop_during_the_device_wait_ends_the_job_at_once(job_env, tmp_path):
     assert "NPU 0 pid" in task_log(env).read_text()
     message = termination(env)
     assert (message["stage"], message["reason"]) == ("restart", "stopped by SIGTERM between attempts 1 and 2")
+
+
+def test_the_same_failure_limit_and_the_budget_can_be_set_by_env_and_flag(job_env, tmp_path):
+    env = restart_env(job_env, tmp_path, MA_RUNTIME_SAME_FAILURE_LIMIT=2)
+    always = 'touch "$MARKS/attempt-$MA_PROC_START_CNT"; echo "no such file" >&2; exit 2'
+    done = run_ma(["--max-restarts=9", "sh", "-c", always], env)
+    assert done.returncode == 82
+    assert attempts_seen(env) == [1, 2]
+    assert termination(env)["reason"].startswith("the same failure 2 times in a row")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "256", "93,,x", "-1"])
+def test_a_bad_no_restart_list_is_one_line_and_78(job_env, tmp_path, value):
+    env = restart_env(job_env, tmp_path, MA_RUNTIME_MAX_RESTARTS=1, MA_RUNTIME_NO_RESTART_EXIT_CODES=value)
+    done = run_ma(["sh", "-c", 'touch "$MARKS/attempt-$MA_PROC_START_CNT"'], env)
+    assert done.returncode == 78
+    assert "Traceback" not in done.stderr and attempts_seen(env) == []
+    (line,) = [line for line in done.stderr.splitlines() if "MA_RUNTIME_NO_RESTART_EXIT_CODES" in line]
+    assert "exit codes from 1 to 255" in line

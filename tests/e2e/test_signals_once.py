@@ -89,6 +89,19 @@ def test_a_plain_command_and_its_setsid_grandchild_each_get_one_sigterm(job_env,
     assert_none_left(tmp_path / "counts", counters)
 
 
+def test_a_second_sigterm_is_logged_and_not_passed_on(job_env, tmp_path):
+    runtime = start_job({**job_env, "MA_RUN_METHOD": "plain"}, tmp_path / "counts", "command")
+    counters = wait_ready(runtime, tmp_path / "counts", ["command"], timeout=30)
+    runtime.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # the first is forwarded; the command is in its cleanup
+
+    _, err = stop_once(runtime)
+
+    assert (counts(tmp_path / "counts", counters), runtime.returncode) == (
+        {f"command-{pid}": 1 for pid in counters}, 143), err[-3000:]
+    assert 'msg="stop already under way" Component=ma-runtime signal=SIGTERM' in err
+
+
 @pytest.mark.parametrize("round", range(5))
 def test_a_handler_that_cleans_up_and_exits_7_gives_7(job_env, tmp_path, round):
     """The README: a command that exits by itself after the forwarded signal keeps its own code."""
