@@ -7,6 +7,10 @@ transfer engine has one set to retry or report:
 - `AccessDenied` (403), `NotFound` (404): fail at once, with a clear message;
 - `ObjectChanged`: the object is no longer the version that was listed; not retried,
   because a part of the new version must never be written next to parts of the old;
+- `FileChanged`: the local file being uploaded changed under the upload (it ended before
+  the bytes announced); not retried: the caller takes the file again once it is stable;
+- `CorruptTransfer`: bytes that do not match their checksum (a download's after its retry,
+  an upload's body the server refused for its Content-MD5);
 - `StorageError`: anything else, not retried.
 All of them end a run with exit code 80, "storage failed".
 """
@@ -36,7 +40,12 @@ class NotFound(StorageError):
 
 
 class CorruptTransfer(StorageError):
-    """Bytes arrived but do not match the object's size or checksum, even after retrying."""
+    """Bytes arrived but do not match their size or checksum: a download's even after retrying, or an upload's
+    body that the server found not to match the Content-MD5 sent (400 BadDigest)."""
+
+
+class FileChanged(StorageError):
+    """The local file being uploaded changed while it was sent (it ended before the bytes announced)."""
 
 
 class ObjectChanged(StorageError):
@@ -62,6 +71,25 @@ class ObjectInfo:
         return etag if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """An unfinished multipart upload on the server."""
+
+    key: str
+    upload_id: str
+    initiated: Optional[float] = None  # epoch seconds, when the server says
+
+
+def check_part_bounds(where: str, path: str, file_size: int, offset: int, size: int) -> None:
+    """Raises for a part that is not inside the file: StorageError for bounds no file has, FileChanged for a
+    file shorter than the part (it was longer when the parts were planned)."""
+    if offset < 0 or size <= 0:
+        raise StorageError(f"{where}: bytes {offset}+{size} are outside {path} ({file_size} bytes)")
+    if offset + size > file_size:
+        raise FileChanged(f"{where}: bytes {offset}+{size} are outside {path} ({file_size} bytes): it changed while "
+                          "it was being uploaded")
+
+
 class ObjectStore(Protocol):
     """What the transfer engine needs. `bucket` is "" for the local backend, whose keys are paths."""
 
@@ -80,20 +108,31 @@ class ObjectStore(Protocol):
         then skip the Range header)."""
 
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
-        """Uploads a whole file in one request."""
+        """Uploads a whole file in one request. FileChanged if it ends before the size it had when opened."""
+
+    def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:
+        """One PUT of `data` with its MD5 (`md5_hex`, as Content-MD5): a body that does not match is refused,
+        CorruptTransfer. Returns the object's info (size, ETag)."""
 
     def create_multipart(self, bucket: str, key: str) -> str:
         """Starts a multipart upload; returns its upload id."""
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int, path: str, offset: int,
                     size: int) -> str:
-        """Uploads `size` bytes of `path` from `offset` as part `number` (1-based); returns the part's ETag."""
+        """Uploads `size` bytes of `path` from `offset` as part `number` (1-based); returns the part's ETag.
+        FileChanged if the file ends before `offset + size`; NotFound when the upload is gone."""
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]]) -> ObjectInfo:
         """Completes the upload from (number, etag) pairs."""
 
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
         """Abandons the upload and its parts."""
+
+    def delete(self, bucket: str, key: str) -> None:
+        """Removes the object; an object already gone is not an error."""
+
+    def list_uploads(self, bucket: str, prefix: str) -> List[Upload]:
+        """Every unfinished multipart upload under `prefix` (all pages)."""
 
     def describe(self) -> str:
         """Where this store points, for messages (endpoint and credential source; never a secret)."""

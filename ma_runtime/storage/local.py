@@ -11,20 +11,51 @@ all come from the version listed, as If-Match makes sure of for OBS.
 
 Uploads are atomic (a temporary file beside the target, then a rename) and, like
 every write the runtime makes, never replace what is not a regular file
-(files.writable_target).
+(files.writable_target). An upload's ETag is the new file's version.
+
+Behaving as a server does, so that code tested here behaves the same against OBS:
+`put_bytes` refuses bytes whose MD5 is not the one given (CorruptTransfer, as a
+server's BadDigest), a part whose file ends early is FileChanged, a multipart
+upload that is gone (aborted, or an id that names none) is NotFound, and a failure
+of the filesystem (a full disk, a directory in the way) is a StorageError naming
+the path, not a bare OSError.
+
+A multipart upload keeps its parts in `.<name>.<upload id>.parts/` beside the
+target; `list_uploads` finds them by that name. Upload ids are 8 hex digits, the
+part of the id the folder's name has always held, so an id listed is the id
+created (an id of 32 digits, from an older version, still finds its folder).
+
+`delete` removes a file, or a symlink as a link: never what a link points to, and
+never anything else (a folder, a FIFO), which is not an object of this store.
 """
 
+import contextlib
+import hashlib
 import os
+import re
 import shutil
 import stat
 import uuid
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-from ma_runtime.files import writable_target, write_atomically_from
-from ma_runtime.storage.base import NotFound, ObjectChanged, ObjectInfo, StorageError
+from ma_runtime.files import kind_of, writable_target, write_atomically, write_atomically_from
+from ma_runtime.storage.base import (
+    CorruptTransfer,
+    FileChanged,
+    NotFound,
+    ObjectChanged,
+    ObjectInfo,
+    StorageError,
+    Upload,
+    check_part_bounds,
+)
 
 CHUNK = 1 << 20
+UPLOAD_ID_LENGTH = 8
+_UPLOAD_ID = re.compile(r"[0-9a-f]{8,32}\Z")
+_PARTS_FOLDER = re.compile(r"\.(?P<name>.+)\.(?P<upload_id>[0-9a-f]{8})\.parts\Z", re.DOTALL)
+_MD5_HEX = re.compile(r"[0-9a-fA-F]{32}\Z")
 
 
 def version_of(stats: os.stat_result) -> str:
@@ -83,45 +114,104 @@ class LocalStore:
         return done
 
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
-        target = _upload_target(key)
-        with open(path, "rb") as source:
-            write_atomically_from(target, lambda sink: shutil.copyfileobj(source, sink, CHUNK))
-        return ObjectInfo(key, target.stat().st_size)
+        with _as_storage_error("uploading to", key):
+            target = _upload_target(key)
+            with _open_source(path) as source:
+                write_atomically_from(target, lambda sink: shutil.copyfileobj(source, sink, CHUNK))
+            return _info_of(key, target)
+
+    def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:
+        if not _MD5_HEX.match(md5_hex or ""):
+            raise StorageError(f"uploading to {key}: {md5_hex!r} is not an MD5 (32 hex digits)")
+        actual = hashlib.md5(data, usedforsecurity=False).hexdigest()
+        if actual != md5_hex.lower():
+            raise CorruptTransfer(f"uploading to {key}: the bytes' MD5 is {actual}, not the {md5_hex} given")
+        with _as_storage_error("uploading to", key):
+            target = _upload_target(key)
+            write_atomically(target, data)
+            return _info_of(key, target)
+
+    def delete(self, bucket: str, key: str) -> None:
+        with _as_storage_error("deleting", key):
+            try:
+                mode = os.lstat(key).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(key)
 
     def create_multipart(self, bucket: str, key: str) -> str:
-        _upload_target(key)  # refused now, not after every part has been sent
-        upload_id = uuid.uuid4().hex
-        self._parts_dir(key, upload_id).mkdir(parents=True)
-        return upload_id
+        with _as_storage_error("starting a multipart upload to", key):
+            _upload_target(key)  # refused now, not after every part has been sent
+            while True:
+                upload_id = uuid.uuid4().hex[:UPLOAD_ID_LENGTH]
+                try:
+                    self._parts_dir(key, upload_id).mkdir()
+                    return upload_id
+                except FileExistsError:
+                    continue  # another upload of this key drew the same id
 
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int, path: str, offset: int,
                     size: int) -> str:
-        part = self._parts_dir(key, upload_id) / f"{number:05d}"
-        with open(path, "rb") as source, open(part, "wb") as sink:
-            source.seek(offset)
-            sink.write(source.read(size))
+        action = f"uploading part {number} to"
+        parts_dir = self._existing_parts_dir(key, upload_id)
+        with _as_storage_error(action, key), _open_source(path) as source:
+            check_part_bounds(f"{action} {key}", path, os.fstat(source.fileno()).st_size, offset, size)
+            write_atomically_from(parts_dir / f"{number:05d}",
+                                  lambda sink: _copy_range(source, sink, offset, size, path))
         return f"{number}-{size}"
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]]) -> ObjectInfo:
-        parts_dir = self._parts_dir(key, upload_id)
-        target = _upload_target(key)
+        parts_dir = self._existing_parts_dir(key, upload_id)
 
         def concatenate(sink) -> None:
             for number, _etag in sorted(parts):
                 with open(parts_dir / f"{number:05d}", "rb") as source:
                     shutil.copyfileobj(source, sink, CHUNK)
 
-        write_atomically_from(target, concatenate)
-        shutil.rmtree(parts_dir, ignore_errors=True)
-        return ObjectInfo(key, target.stat().st_size)
+        with _as_storage_error("completing the multipart upload to", key):
+            target = _upload_target(key)
+            write_atomically_from(target, concatenate)
+            shutil.rmtree(parts_dir, ignore_errors=True)
+            return _info_of(key, target)
 
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
-        shutil.rmtree(self._parts_dir(key, upload_id), ignore_errors=True)
+        if _UPLOAD_ID.match(upload_id):
+            shutil.rmtree(self._parts_dir(key, upload_id), ignore_errors=True)
+
+    def list_uploads(self, bucket: str, prefix: str) -> List[Upload]:
+        """The part folders under the folder `prefix` names (or sits in), whose keys start with `prefix`. Keys are
+        absolute paths: any other prefix names none (and "" is not the whole filesystem)."""
+        if not os.path.isabs(prefix):
+            return []
+        root = prefix if prefix.endswith("/") else os.path.dirname(prefix)
+        uploads = []
+        with _as_storage_error("listing the multipart uploads under", prefix):
+            for directory, subdirs, _files in os.walk(root):
+                subdirs.sort()
+                for name in list(subdirs):
+                    found = _PARTS_FOLDER.match(name)
+                    if found is None:
+                        continue
+                    subdirs.remove(name)  # parts, not keys: nothing to find inside
+                    key = os.path.join(directory, found.group("name"))
+                    if key.startswith(prefix):
+                        uploads.append(Upload(key, found.group("upload_id")))
+        return uploads
 
     @staticmethod
     def _parts_dir(key: str, upload_id: str) -> Path:
         target = Path(key)
-        return target.with_name(f".{target.name}.{upload_id[:8]}.parts")
+        return target.with_name(f".{target.name}.{upload_id[:UPLOAD_ID_LENGTH]}.parts")
+
+    def _existing_parts_dir(self, key: str, upload_id: str) -> Path:
+        """The upload's part folder; NotFound, as a server's NoSuchUpload, when there is none (aborted, completed,
+        or an id that is not one of ours: it is never made into a path)."""
+        parts_dir = self._parts_dir(key, upload_id) if _UPLOAD_ID.match(upload_id) else None
+        if parts_dir is None or not parts_dir.is_dir():
+            raise NotFound(f"{key}: no multipart upload {upload_id!r} (aborted or completed)")
+        return parts_dir
 
 
 def _file_info(path: str) -> Optional[ObjectInfo]:
@@ -146,3 +236,42 @@ def _upload_target(key: str) -> Path:
     target = Path(key)
     target.parent.mkdir(parents=True, exist_ok=True)
     return writable_target(target)
+
+
+def _info_of(key: str, target: Path) -> ObjectInfo:
+    stats = target.stat()
+    return ObjectInfo(key, stats.st_size, version_of(stats))
+
+
+def _open_source(path: str):
+    """`path` opened for reading when it is a regular file (O_NONBLOCK: a FIFO is refused, not waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise StorageError(f"{path} is {kind_of(mode)}, not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _copy_range(source, sink, offset: int, size: int, path: str) -> None:
+    done = 0
+    while done < size:
+        chunk = os.pread(source.fileno(), min(CHUNK, size - done), offset + done)
+        if not chunk:
+            raise FileChanged(f"{path} ended after {offset + done} bytes, before the {offset + size} a part needs: it "
+                              "changed while it was being uploaded")
+        sink.write(chunk)
+        done += len(chunk)
+
+
+@contextlib.contextmanager
+def _as_storage_error(action: str, key: str) -> Iterator[None]:
+    """An OSError of the filesystem (a full disk, something in the way) as the StorageError a store raises; and the
+    ValueError of a path no filesystem takes (a NUL in it)."""
+    try:
+        yield
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        raise StorageError(f"{action} {key}: {exc.strerror or exc}{where}") from exc
+    except ValueError as exc:
+        raise StorageError(f"{action} {key!r}: {exc}") from exc

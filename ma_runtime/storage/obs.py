@@ -30,34 +30,63 @@ Settings (spec.py) and the decisions made from them:
 - versions: every GET of an object names the version listed (`If-Match: <ETag>`), and
   the ETag of the answer is compared too, for servers that ignore If-Match: parts of
   one file never come from two versions, whether or not the ETag is an MD5.
-- reads (GET of objects and listings) go through `signed.py`: the SDK signs each
-  one (`createSignedUrl`), and it travels over a kept-alive connection per thread,
-  its body read into a reused buffer. Measured, that is what makes many small
-  files fast (see signed.py). Everything else (HEAD, uploads) is an SDK call,
-  one connection per request (its default, `long_conn_mode` off).
+- the requests made per file go through `signed.py`: GETs of objects and listing
+  pages, PUTs of objects and parts, DELETEs, listings of multipart uploads. The SDK
+  signs each one (`createSignedUrl`; v4 by a presigner that signs as it does), and
+  it travels over a kept-alive connection per thread, a body read into a reused
+  buffer, a file's bytes sent straight from the file (sendfile). Measured, that is
+  what makes many small files fast (see signed.py). The rest (HEAD, starting,
+  completing and abandoning a multipart upload) are SDK calls, one connection per
+  request (its default, `long_conn_mode` off).
+- writes: `put_bytes` sends Content-MD5 (the caller's MD5 of the bytes); a server
+  that finds the body does not match answers 400 BadDigest, which is CorruptTransfer,
+  not retried: the bytes and their MD5 come from one read of memory, so a retry of
+  the same request has nothing new to offer, and the caller (the sync engine) reads
+  the file again next cycle. A part's body is checked by its length (a file that
+  ended early fails the part: it changed while it was sent) and its answer by the
+  ETag the server must give; no MD5 is computed for parts (a core's worth of CPU
+  for 500 MB/s, on a machine whose training owns the cores).
+- a signed URL is a credential for 15 minutes: no message quotes one (signed.py).
 
 The SDK has two failure styles: connection problems raise, HTTP errors come back
 as `resp.status` / `resp.errorCode`. `ObsStore._call` is the one place both go
 through, and `_failure_of_exception` / `_failure_of_status` the one mapping.
 """
 
+import base64
+import calendar
 import http.client
 import ipaddress
 import os
+import re
 import ssl
+import stat
 import threading
+import time
 import unicodedata
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 from urllib.parse import unquote_plus, urlsplit
 from xml.etree import ElementTree
 
 from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
+from obs.const import MIME_TYPES
 
 from ma_runtime.errors import ConfigError
 from ma_runtime.redact import Masker
 from ma_runtime.storage import signed
-from ma_runtime.storage.base import AccessDenied, NotFound, ObjectChanged, ObjectInfo, StorageError, TransientError
+from ma_runtime.storage.base import (
+    AccessDenied,
+    CorruptTransfer,
+    FileChanged,
+    NotFound,
+    ObjectChanged,
+    ObjectInfo,
+    StorageError,
+    TransientError,
+    Upload,
+    check_part_bounds,
+)
 
 try:  # requests (an SDK dependency) brings urllib3, whose errors are not all OSErrors
     from urllib3.exceptions import HTTPError as Urllib3Error
@@ -70,7 +99,7 @@ TOKEN_VARIABLE = "OBS_SECURITY_TOKEN"
 CREDENTIAL_SOURCE = f"{ACCESS_KEY_VARIABLE}/{SECRET_KEY_VARIABLE}"
 
 CHUNK = 1 << 20  # bytes read from a body and written to the file at a time
-PAGE_SIZE = 1000  # keys per listing request, the server's maximum
+PAGE_SIZE = 1000  # keys (or multipart uploads) per listing request, the server's maximum
 TIMEOUT_SECONDS = 60
 MIN_TIMEOUT_SECONDS = 1.0  # below this, a healthy endpoint's answers would time out too
 DEFAULT_REGION = "us-east-1"
@@ -78,13 +107,14 @@ HUAWEI_DOMAINS = ("myhuaweicloud.com", "huaweicloud.com")
 RETRYABLE_STATUSES = (429,)  # and every status >= 500
 # OSErrors about our own files, not the network: retrying does not help.
 LOCAL_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_MD5_HEX = re.compile(r"[0-9a-fA-F]{32}\Z")
 
 
 class ObsStore:
     def __init__(self, client: ObsClient, endpoint: str, masker: Masker, credential_source: str = CREDENTIAL_SOURCE,
                  presigner: Optional[signed.V4Presigner] = None, timeout: float = TIMEOUT_SECONDS):
         self._client = client
-        self._reads = signed.SignedReads(client, timeout, presigner)
+        self._requests = signed.SignedRequests(client, timeout, presigner)
         self._endpoint = endpoint
         self._masker = masker
         self._credential_source = credential_source
@@ -140,7 +170,7 @@ class ObsStore:
         byte_range = None if whole and start == 0 else f"bytes={start}-{start + length - 1}"
         if byte_range:
             headers["Range"] = byte_range
-        response = self._open("reading", bucket, key, headers=headers or None)
+        response = self._request("reading", bucket, key, headers=headers or None)
         try:
             if byte_range and response.status != 206 and start != 0:
                 # A 200 carries the object from byte 0: writing it at `offset` would corrupt the file.
@@ -154,18 +184,31 @@ class ObsStore:
                                     f"listed, {response.length} now)")
             return self._copy_body(response, length, fd, offset, url)
         finally:
-            self._reads.release(response)
+            self._requests.release(response)
 
     # --- writing -----------------------------------------------------------------------------------
 
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
-        _require_key(bucket, key)
-        size = _local_file_size(path, "uploading", bucket, key)
-        resp = self._call("uploading to", bucket, key, self._client.putFile, bucket, key, path)
-        return ObjectInfo(key, size, unquote_etag(self._body_of(resp, "uploading to", bucket, key).etag))
+        action = "uploading to"
+        _require_key(action, bucket, key)
+        with _open_regular(path, action, bucket, key) as source:
+            size = os.fstat(source.fileno()).st_size
+            response = self._request(action, bucket, key, "PUT", headers=_content_type(key),
+                                     body=signed.FileRange(source, 0, size), path=path)
+        return ObjectInfo(key, size, self._etag_of(response, action, bucket, key, required=False))
+
+    def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:
+        action = "uploading to"
+        _require_key(action, bucket, key)
+        if not _MD5_HEX.match(md5_hex or ""):
+            raise StorageError(f"{action} {object_url(bucket, key)}: {md5_hex!r} is not an MD5 (32 hex digits)")
+        content_md5 = base64.b64encode(bytes.fromhex(md5_hex)).decode("ascii")
+        headers = {"Content-MD5": content_md5, **_content_type(key)}
+        response = self._request(action, bucket, key, "PUT", headers=headers, body=bytes(data))
+        return ObjectInfo(key, len(data), self._etag_of(response, action, bucket, key, required=False))
 
     def create_multipart(self, bucket: str, key: str) -> str:
-        _require_key(bucket, key)
+        _require_key("starting a multipart upload to", bucket, key)
         resp = self._call("starting a multipart upload to", bucket, key, self._client.initiateMultipartUpload,
                           bucket, key)
         upload_id = self._body_of(resp, "starting a multipart upload to", bucket, key).uploadId
@@ -176,12 +219,13 @@ class ObsStore:
     def upload_part(self, bucket: str, key: str, upload_id: str, number: int, path: str, offset: int,
                     size: int) -> str:
         action = f"uploading part {number} to"
-        _check_part_bounds(path, offset, size, action, bucket, key)
-        resp = self._call(action, bucket, key, self._client.uploadPart, bucket, key, number, upload_id,
-                          object=path, isFile=True, offset=offset, partSize=size)
-        etag = unquote_etag(self._body_of(resp, action, bucket, key).etag)
-        if not etag:
-            raise StorageError(f"{action} {object_url(bucket, key)}: no ETag in the answer")
+        with _open_regular(path, action, bucket, key) as source:
+            check_part_bounds(f"{action} {object_url(bucket, key)}", path, os.fstat(source.fileno()).st_size,
+                              offset, size)
+            query = {"partNumber": str(number), "uploadId": upload_id}
+            response = self._request(action, bucket, key, "PUT", query=query,
+                                     body=signed.FileRange(source, offset, size), path=path)
+        etag = self._etag_of(response, action, bucket, key, required=True)
         with self._lock:
             self._part_sizes.setdefault(upload_id, {})[number] = size
         return etag
@@ -201,6 +245,24 @@ class ObsStore:
                    bucket, key, upload_id)
         with self._lock:
             self._part_sizes.pop(upload_id, None)
+
+    def delete(self, bucket: str, key: str) -> None:
+        action = "deleting"
+        _require_key(action, bucket, key)
+        # S3 and OBS answer 204 for a key that is not there; a server answering 404 NoSuchKey means the same.
+        response = self._request(action, bucket, key, "DELETE", missing_ok=True)
+        if response is not None:
+            self._drain(response, action, bucket, key)
+
+    def list_uploads(self, bucket: str, prefix: str) -> List[Upload]:
+        uploads: List[Upload] = []
+        markers: Tuple[Optional[str], Optional[str]] = (None, None)
+        while True:
+            page = self._uploads_page(bucket, prefix, markers)
+            uploads += page.uploads
+            if not page.truncated:
+                return uploads
+            markers = self._next_upload_markers(page, markers, bucket, prefix)
 
     # --- helpers -----------------------------------------------------------------------------------
 
@@ -226,11 +288,17 @@ class ObsStore:
             raise self._failure_of_status(int(resp.status), resp.errorCode, resp.errorMessage, action, bucket, key)
         return resp
 
-    def _open(self, action: str, bucket: str, key: str, query: Optional[Dict[str, str]] = None,
-              headers: Optional[Dict[str, str]] = None, listing: bool = False) -> Any:
-        """Sends a signed GET (signed.py); returns a 2xx response, else raises the mapped StorageError."""
+    def _request(self, action: str, bucket: str, key: str, method: str = "GET",
+                 query: Optional[Mapping[str, Optional[str]]] = None, headers: Optional[Dict[str, str]] = None,
+                 body: signed.Body = None, listing: bool = False, path: Optional[str] = None,
+                 missing_ok: bool = False) -> Any:
+        """Sends a signed request (signed.py); returns a 2xx response, else raises the mapped StorageError.
+        `missing_ok`: a 404 for the key (not for the bucket) returns None. `path`: the file a body comes from."""
         try:
-            response = self._reads.open(bucket, None if listing else key, query, headers)
+            response = self._requests.send(method, bucket, None if listing else key, query, headers, body)
+        except signed.BodyCutShort as exc:
+            raise FileChanged(f"{action} {object_url(bucket, key)}: {path} ended after {exc.sent} of the {exc.size} "
+                              "bytes to send: it changed while it was being uploaded") from None
         except Exception as exc:
             raise self._failure_of_exception(exc, action, bucket, key) from exc
         if response.status < 300:
@@ -238,8 +306,27 @@ class ObsStore:
         try:
             code, message = signed.error_of(response)
         finally:
-            self._reads.release(response)
+            self._requests.release(response)
+        if missing_ok and response.status == 404 and code != "NoSuchBucket":
+            return None
         raise self._failure_of_status(response.status, code, message, action, bucket, key)
+
+    def _drain(self, response: Any, action: str, bucket: str, key: str) -> bytes:
+        """The body of a 2xx answer, read to its end (the connection is then kept for the next request)."""
+        try:
+            return response.read()
+        except Exception as exc:  # cut short (IncompleteRead), reset, timeout
+            raise self._failure_of_exception(exc, action, bucket, key) from exc
+        finally:
+            self._requests.release(response)
+
+    def _etag_of(self, response: Any, action: str, bucket: str, key: str, required: bool) -> Optional[str]:
+        """The ETag of a PUT's answer; `required`: one without is a failure (a part's ETag completes the upload)."""
+        etag = unquote_etag(response.getheader("ETag"))
+        self._drain(response, action, bucket, key)
+        if required and not etag:
+            raise StorageError(f"{action} {object_url(bucket, key)}: no ETag in the answer")
+        return etag
 
     def _list_page(self, bucket: str, prefix: str, marker: Optional[str]) -> "Listing":
         query = {"max-keys": str(PAGE_SIZE), "encoding-type": "url"}
@@ -247,18 +334,31 @@ class ObsStore:
             query["prefix"] = prefix
         if marker:
             query["marker"] = marker
-        response = self._open("listing", bucket, prefix, query=query, listing=True)
-        try:
-            body = response.read()
-        except Exception as exc:  # cut short (IncompleteRead), reset, timeout
-            raise self._failure_of_exception(exc, "listing", bucket, prefix) from exc
-        finally:
-            self._reads.release(response)
+        response = self._request("listing", bucket, prefix, query=query, listing=True)
+        body = self._drain(response, "listing", bucket, prefix)
         try:
             return parse_listing(body)
         except ValueError as exc:  # not XML, not a listing, or a Size that is not a number
             # What a body cut short in transit looks like: worth another try.
             raise TransientError(f"listing {object_url(bucket, prefix)}: unreadable answer ({exc})") from exc
+
+    def _uploads_page(self, bucket: str, prefix: str,
+                      markers: Tuple[Optional[str], Optional[str]]) -> "UploadListing":
+        action = "listing the multipart uploads under"
+        query: Dict[str, Optional[str]] = {"uploads": None, "max-uploads": str(PAGE_SIZE), "encoding-type": "url"}
+        if prefix:
+            query["prefix"] = prefix
+        key_marker, upload_id_marker = markers
+        if key_marker:
+            query["key-marker"] = key_marker
+        if upload_id_marker:
+            query["upload-id-marker"] = upload_id_marker
+        response = self._request(action, bucket, prefix, query=query, listing=True)
+        body = self._drain(response, action, bucket, prefix)
+        try:
+            return parse_uploads(body)
+        except ValueError as exc:  # what a body cut short in transit looks like
+            raise TransientError(f"{action} {object_url(bucket, prefix)}: unreadable answer ({exc})") from exc
 
     def _failure_of_exception(self, exc: BaseException, action: str, bucket: str, key: str) -> StorageError:
         where = f"{action} {object_url(bucket, key)}"
@@ -287,6 +387,9 @@ class ObsStore:
             return NotFound(self._masked(f"{where}: {missing} ({answer})"))
         if status == 412:  # only reads send a precondition: If-Match, the ETag listed
             return ObjectChanged(self._masked(f"{where}: the object changed after it was listed ({answer})"))
+        if code == "BadDigest":  # see the module's docstring: not retried
+            return CorruptTransfer(self._masked(f"{where}: the server received bytes whose MD5 is not the "
+                                                f"Content-MD5 sent ({answer})"))
         return StorageError(self._masked(f"{where}: {answer}"))
 
     def _body_of(self, resp: Any, action: str, bucket: str, key: str) -> Any:
@@ -305,9 +408,21 @@ class ObsStore:
                                "no next marker")
         return next_marker
 
+    @staticmethod
+    def _next_upload_markers(page: "UploadListing", markers: Tuple[Optional[str], Optional[str]], bucket: str,
+                             prefix: str) -> Tuple[Optional[str], Optional[str]]:
+        # A page ends with its markers; a server that leaves them out ends it with its last upload.
+        last = page.uploads[-1] if page.uploads else None
+        following = (page.next_key_marker or (last.key if last else None),
+                     page.next_upload_id_marker or (last.upload_id if last else None))
+        if not following[0] or following == markers:
+            raise StorageError(f"listing the multipart uploads under {object_url(bucket, prefix)}: the server said "
+                               "'truncated' but gave no next marker")
+        return following
+
     def _copy_body(self, response: Any, length: int, fd: int, offset: int, url: str) -> int:
         """Reads the body into this thread's buffer and writes it at `offset` of `fd`, CHUNK at a time."""
-        buffer = self._reads.buffer(CHUNK)
+        buffer = self._requests.buffer(CHUNK)
         done = 0
         while done < length:
             try:
@@ -322,7 +437,7 @@ class ObsStore:
         return done
 
     def _masked(self, message: str) -> str:
-        return self._masker.text(message)
+        return signed.without_signatures(self._masker.text(message))
 
 
 class Listing(NamedTuple):
@@ -336,26 +451,68 @@ class Listing(NamedTuple):
 def parse_listing(body: bytes) -> Listing:
     """A ListBucketResult (S3's or OBS's namespace). Keys are URL-decoded when the answer says
     EncodingType=url, as the SDK does; raises ValueError for a document that is not one."""
-    try:
-        root = ElementTree.fromstring(body)
-    except ElementTree.ParseError as exc:  # a SyntaxError, not a ValueError
-        raise ValueError(f"not XML: {exc}") from None
-    if _local_name(root.tag) != "ListBucketResult":
-        raise ValueError(f"expected ListBucketResult, got {_local_name(root.tag)}")
-    fields: Dict[str, str] = {}
-    entries: List[Dict[str, str]] = []
-    for element in root:
-        name = _local_name(element.tag)
-        if name == "Contents":
-            entries.append({_local_name(child.tag): child.text or "" for child in element})
-        else:
-            fields[name] = element.text or ""
-    decode = unquote_plus if fields.get("EncodingType", "").lower() == "url" else str
+    fields, entries, decode = _listing_document(body, "ListBucketResult", "Contents")
     objects = [ObjectInfo(decode(entry.get("Key", "")), int(entry.get("Size") or 0), unquote_etag(entry.get("ETag")))
                for entry in entries]
     next_marker = fields.get("NextMarker")
     return Listing(objects, fields.get("IsTruncated", "").lower() == "true",
                    decode(next_marker) if next_marker else None)
+
+
+def _listing_document(body: bytes, root_name: str, entry_name: str
+                      ) -> Tuple[Dict[str, str], List[Dict[str, str]], Callable[[str], str]]:
+    """A listing answer's top-level fields, its entries (each a dict of its children's texts), and how its keys
+    are decoded (URL-decoded when it says EncodingType=url, as the SDK does). ValueError for another document."""
+    try:
+        root = ElementTree.fromstring(body)
+    except ElementTree.ParseError as exc:  # a SyntaxError, not a ValueError
+        raise ValueError(f"not XML: {exc}") from None
+    if _local_name(root.tag) != root_name:
+        raise ValueError(f"expected {root_name}, got {_local_name(root.tag)}")
+    fields: Dict[str, str] = {}
+    entries: List[Dict[str, str]] = []
+    for element in root:
+        name = _local_name(element.tag)
+        if name == entry_name:
+            entries.append({_local_name(child.tag): child.text or "" for child in element})
+        else:
+            fields[name] = element.text or ""
+    decode = unquote_plus if fields.get("EncodingType", "").lower() == "url" else str
+    return fields, entries, decode
+
+
+class UploadListing(NamedTuple):
+    """One page of a listing of unfinished multipart uploads."""
+
+    uploads: List[Upload]
+    truncated: bool
+    next_key_marker: Optional[str]
+    next_upload_id_marker: Optional[str]
+
+
+def parse_uploads(body: bytes) -> UploadListing:
+    """A ListMultipartUploadsResult (S3's or OBS's namespace); keys URL-decoded when the answer says
+    EncodingType=url. Raises ValueError for a document that is not one."""
+    fields, entries, decode = _listing_document(body, "ListMultipartUploadsResult", "Upload")
+    uploads = [Upload(decode(entry.get("Key", "")), entry.get("UploadId", ""), _epoch_seconds(entry.get("Initiated")))
+               for entry in entries]
+    if any(not upload.upload_id for upload in uploads):
+        raise ValueError("an Upload without an UploadId")
+    next_key = fields.get("NextKeyMarker")
+    return UploadListing(uploads, fields.get("IsTruncated", "").lower() == "true",
+                         decode(next_key) if next_key else None, fields.get("NextUploadIdMarker") or None)
+
+
+def _epoch_seconds(text: Optional[str]) -> Optional[float]:
+    """`2024-05-01T12:00:00.000Z` (with or without the fraction) as epoch seconds; None for anything else."""
+    if not text:
+        return None
+    whole, _, fraction = text.strip().rstrip("Z").partition(".")
+    try:
+        seconds = calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S"))
+        return seconds + (float(f"0.{fraction}") if fraction.isdigit() else 0.0)
+    except ValueError:
+        return None
 
 
 def _local_name(tag: str) -> str:
@@ -506,29 +663,31 @@ def _verify_certificates(client: ObsClient) -> None:
         context.check_hostname = True
 
 
-def _require_key(bucket: str, key: str) -> None:
-    # putFile with an empty key uploads under the file's own name; initiate would target the bucket.
+def _require_key(action: str, bucket: str, key: str) -> None:
+    # Without a key a request addresses the bucket: a PUT would create it, a DELETE remove it.
     if not key:
-        raise StorageError(f"uploading to obs://{bucket}/: an object key is required")
+        raise StorageError(f"{action} obs://{bucket}/: an object key is required")
 
 
-def _local_file_size(path: str, action: str, bucket: str, key: str) -> int:
-    # Checked here: the SDK would walk a directory and upload every file in it.
+def _content_type(key: str) -> Dict[str, str]:
+    """The Content-Type header the SDK gives an object by its key's extension (putFile, initiateMultipartUpload
+    do), so that an object looks the same whichever way it went up; none for an extension it does not know."""
+    name = key.rsplit("/", 1)[-1]
+    content_type = MIME_TYPES.get(name.rsplit(".", 1)[-1].lower()) if "." in name else None
+    return {"Content-Type": content_type} if content_type else {}
+
+
+def _open_regular(path: str, action: str, bucket: str, key: str) -> IO[bytes]:
+    """`path` opened for reading, when it is a regular file (O_NONBLOCK: a FIFO put there is refused, not waited
+    on); StorageError naming it otherwise."""
     try:
-        stats = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise StorageError(f"{action} {path} to {object_url(bucket, key)}: {_one_line(exc)}") from None
-    if not os.path.isfile(path):
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         raise StorageError(f"{action} {path} to {object_url(bucket, key)}: not a regular file")
-    return stats.st_size
-
-
-def _check_part_bounds(path: str, offset: int, size: int, action: str, bucket: str, key: str) -> None:
-    # The SDK silently "fixes" bad bounds (an offset past the end becomes 0, a size past the end the rest).
-    file_size = _local_file_size(path, action, bucket, key)
-    if offset < 0 or size <= 0 or offset + size > file_size:
-        raise StorageError(f"{action} {object_url(bucket, key)}: bytes {offset}+{size} are outside {path} "
-                           f"({file_size} bytes)")
+    return os.fdopen(fd, "rb", buffering=0)
 
 
 def _pwrite_all(fd: int, data: bytes, position: int) -> None:

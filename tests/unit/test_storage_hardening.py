@@ -288,7 +288,7 @@ def test_a_fifo_or_a_directory_at_the_journal_fails_the_download_without_hanging
     dest = tmp_path / "dest"
     state = tmp_path / "state"
     state.mkdir()
-    journal = state / f"{transfer._digest(location.text, dest)}.journal"
+    journal = state / f"{transfer.name_digest(location.text, dest)}.journal"
     os.mkfifo(journal) if kind == "fifo" else journal.mkdir()
     try:
         hung, error = _in_a_thread(lambda: transfer.download(LocalStore(), location, dest, options(tmp_path), Log()))
@@ -306,7 +306,7 @@ def test_a_directory_at_a_part_record_fails_the_download_and_is_left_alone(tmp_p
     location = _local_source(tmp_path, {"big.bin": big})
     dest = tmp_path / "dest"
     url = str(Path(location.key) / "big.bin")
-    record = tmp_path / "state" / f"{transfer._digest(url, dest / 'big.bin')}.download.json"
+    record = tmp_path / "state" / f"{transfer.name_digest(url, dest / 'big.bin')}.download.json"
     record.mkdir(parents=True)
 
     with pytest.raises(StorageError, match="is in the way"):
@@ -678,7 +678,7 @@ def test_no_backoff_wait_runs_past_the_retry_budget():
         raise TransientError("connection refused")
 
     log = Log()
-    calls = transfer._Calls(transfer.TransferOptions(retry_seconds=1.0), log)
+    calls = transfer.Calls(transfer.TransferOptions(retry_seconds=1.0), log)
     calls._wait = tenacity.wait_fixed(0.7)  # attempts at 0 and 0.7; a third wait of 0.7 would end at 1.4
     started = time.monotonic()
 
@@ -696,7 +696,7 @@ def test_the_socket_timeout_never_exceeds_the_retry_budget(tmp_path):
     for budget, expected in (("3", 3.0), ("120", 60.0), ("0", 1.0)):
         env["MA_RUNTIME_STORAGE_RETRY_SECONDS"] = budget
         store = open_store(storage_url.parse("obs://b/"), job_spec.load({}, env), env)
-        assert (store._reads._timeout, store._client.timeout) == (expected, expected), budget
+        assert (store._requests._timeout, store._client.timeout) == (expected, expected), budget
 
 
 @pytest.mark.parametrize("kind", ["hanging", "refusing"])

@@ -72,8 +72,8 @@ def test_only_v4_stores_get_the_presigner(tmp_path):
                    "MA_HOME": str(tmp_path)}
         return obs_module.ObsStore.from_settings(spec.load({}, environ), environ)
 
-    assert isinstance(store("v4")._reads._v4, signed.V4Presigner)
-    assert store("v2")._reads._v4 is None and store("obs")._reads._v4 is None
+    assert isinstance(store("v4")._requests._v4, signed.V4Presigner)
+    assert store("v2")._requests._v4 is None and store("obs")._requests._v4 is None
 
 
 # --- listings ----------------------------------------------------------------------------------------
