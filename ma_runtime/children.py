@@ -10,10 +10,12 @@ it finds there.
 
 import contextlib
 import threading
-from typing import Callable, Iterator, Set, TypeVar
+from typing import Callable, Iterable, Iterator, Set, TypeVar
 
 LOCK = threading.Lock()
 _OWNED: Set[int] = set()
+# Long-lived helpers of the runtime (the uploader): children of ours, but never the command's processes.
+_HELPERS: Set[int] = set()
 T = TypeVar("T")
 
 
@@ -35,3 +37,31 @@ def owned(start: Callable[[], T]) -> Iterator[T]:
 def is_owned(pid: int) -> bool:
     """Call with LOCK held."""
     return pid in _OWNED
+
+
+def start_helper(start: Callable[[], T]) -> T:
+    """A child that lives beside the command (the uploader): owned, as above, until `end_helper`, and left out
+    of the command's tree (`NotTheCommand`), so no stop, sweep or guard ever signals it."""
+    with LOCK:
+        proc = start()
+        _OWNED.add(proc.pid)
+        _HELPERS.add(proc.pid)
+    return proc
+
+
+def end_helper(pid: int) -> None:
+    """After its owner has waited for it."""
+    with LOCK:
+        _OWNED.discard(pid)
+        _HELPERS.discard(pid)
+
+
+class NotTheCommand:
+    """The `exclude` of a process-tree walk: the given pids (the guard) and every helper, including one
+    started after the walk's owner was built (a restarted uploader)."""
+
+    def __init__(self, pids: Iterable[int] = ()):
+        self.pids = frozenset(pids)
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self.pids or pid in _HELPERS

@@ -36,6 +36,7 @@ The budget is a deadline: no backoff wait runs past it. Failures name the store
 
 import dataclasses
 import errno
+import io
 import json
 import os
 import re
@@ -43,11 +44,11 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ma_runtime.files import RECORD_LIMIT, NotAFile, kind_of, open_append, read_regular, write_atomically
 from ma_runtime.storage import safety
-from ma_runtime.storage.base import CorruptTransfer, NotFound, ObjectInfo, StorageError, TransientError
+from ma_runtime.storage.base import CorruptTransfer, FileChanged, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.progress import MB, Progress
 from ma_runtime.storage.url import Location
 
@@ -107,7 +108,7 @@ class _Item:
 # --------------------------------------------------------------------------- retries
 
 
-class _Calls:
+class Calls:
     """Calls into the store, each retried on TransientError; `stop` cuts the retrying short."""
 
     def __init__(self, options: TransferOptions, log, stop: Optional[threading.Event] = None):
@@ -180,7 +181,7 @@ def download(store, location: Location, dest: Path, options: TransferOptions, lo
     or every object under a prefix into the folder `dest`."""
     started = time.monotonic()
     dest = Path(dest).absolute()
-    calls = _Calls(options, log)
+    calls = Calls(options, log)
     try:
         objects, prefix = _find(store, location, calls)
         if prefix is None and into_folder:
@@ -198,7 +199,7 @@ def download(store, location: Location, dest: Path, options: TransferOptions, lo
         finally:
             staging.close()
     except StorageError as exc:
-        raise _naming_the_store(exc, store, location) from exc
+        raise naming_the_store(exc, store, location) from exc
     except OSError as exc:  # the local side: disk full, permissions, a file where a folder must be
         raise StorageError(f"{location.text} -> {dest}: {_oserror_text(exc)}") from exc
     seconds = time.monotonic() - started
@@ -212,7 +213,7 @@ def download(store, location: Location, dest: Path, options: TransferOptions, lo
 def _fetch(store, location: Location, dest: Path, options: TransferOptions, items: List[_Item], refused: List[str],
            staging: "_Staging", log) -> Tuple[int, List[_Item]]:
     """(bytes moved, items fetched): the items not already in place, on one pool."""
-    journal = _Journal(options.state_dir / f"{_digest(location.text, dest)}.journal")
+    journal = _Journal(options.state_dir / f"{name_digest(location.text, dest)}.journal")
     todo = [item for item in items if not _already_there(item, journal)]
     log.info("download started", url=location.text, dest=str(dest), files=len(todo),
              bytes=sum(item.info.size for item in todo), skipped=len(items) - len(todo), refused=len(refused))
@@ -224,7 +225,7 @@ def _fetch(store, location: Location, dest: Path, options: TransferOptions, item
     return moved, todo
 
 
-def _naming_the_store(exc: StorageError, store, location: Location) -> StorageError:
+def naming_the_store(exc: StorageError, store, location: Location) -> StorageError:
     """The same failure, its message naming the store it talked to (the endpoint), once."""
     if not location.remote:
         return exc
@@ -234,7 +235,7 @@ def _naming_the_store(exc: StorageError, store, location: Location) -> StorageEr
     return type(exc)(f"{exc.reason}; {where}", hint=exc.hint, stage=exc.stage)
 
 
-def _find(store, location: Location, calls: _Calls) -> Tuple[List[ObjectInfo], Optional[str]]:
+def _find(store, location: Location, calls: Calls) -> Tuple[List[ObjectInfo], Optional[str]]:
     """The objects to fetch and the prefix they sit under (None for a single object)."""
     if not location.is_prefix:
         try:
@@ -258,7 +259,7 @@ def _plan_object(info: ObjectInfo, location: Location, dest: Path,
     if reason:
         raise StorageError(f"{location.text} -> {dest}: {reason}", hint="remove what is in the way, or choose "
                            "another path")
-    return [_Item(info, _object_url(location, info.key), destination.dest_real / path)], []
+    return [_Item(info, object_url(location, info.key), destination.dest_real / path)], []
 
 
 def _plan_tree(objects, prefix: str, dest: Path, location: Location, staging: "_Staging",
@@ -286,7 +287,7 @@ def _plan_tree(objects, prefix: str, dest: Path, location: Location, staging: "_
         if reason:
             _refuse(log, refused, location, info.key, reason)
         else:
-            items.append(_Item(info, _object_url(location, info.key), destination.dest_real / path))
+            items.append(_Item(info, object_url(location, info.key), destination.dest_real / path))
     _make_folders(destination.dest_real, folders, items)
     return items, refused
 
@@ -331,7 +332,7 @@ class _Staging:
 
     def path(self, target: Path) -> str:
         """The partial file of `target`: named by a digest of its path, a fixed length whatever the key."""
-        return os.path.join(self.folder, _digest(str(target)) + PARTIAL_SUFFIX)
+        return os.path.join(self.folder, name_digest(str(target)) + PARTIAL_SUFFIX)
 
     def close(self) -> None:
         """The in-tree folder goes once empty; what a resumable large file left stays for the rerun."""
@@ -396,7 +397,7 @@ class _Fetcher:
         self.journal = journal
         self.staging = staging
         self.log = log
-        self.calls = _Calls(options, log)
+        self.calls = Calls(options, log)
         self.progress: Optional[Progress] = None
         self.pool = None
 
@@ -492,7 +493,7 @@ class _LargeFile:
         self.parts = -(-item.info.size // self.part_size)
         self.hasher: Optional[_InOrderHash] = None
         self.partial = fetcher.staging.path(item.target)
-        self.record_path = fetcher.options.state_dir / f"{_digest(item.url, item.target)}.download.json"
+        self.record_path = fetcher.options.state_dir / f"{name_digest(item.url, item.target)}.download.json"
         self.outcome = Future()
         self.lock = threading.Lock()
         self.fd: Optional[int] = None
@@ -638,16 +639,16 @@ def upload_file(store, path: Path, location: Location, options: TransferOptions,
     started = time.monotonic()
     path = Path(path).absolute()
     key = location.key + path.name if location.is_prefix else location.key
-    url = _object_url(location, key)
+    url = object_url(location, key)
     try:
         stats = path.stat()
-        calls = _Calls(options, log)
+        calls = Calls(options, log)
         if stats.st_size < options.large_threshold:
             info = calls(store.put_file, location.bucket, key, str(path))
         else:
-            info = _Multipart(store, location.bucket, key, url, path, stats, options, log).run()
+            info = Multipart(store, location.bucket, key, url, path, stats, options, log).run()
     except StorageError as exc:
-        raise _naming_the_store(exc, store, location) from exc
+        raise naming_the_store(exc, store, location) from exc
     except OSError as exc:
         raise StorageError(f"{path} -> {url}: {_oserror_text(exc)}") from exc
     seconds = time.monotonic() - started
@@ -656,22 +657,31 @@ def upload_file(store, path: Path, location: Location, options: TransferOptions,
     return info
 
 
-class _Multipart:
-    """A multipart upload whose record (upload id, finished parts) lets a rerun continue it."""
+class Multipart:
+    """A multipart upload whose record (upload id, finished parts) lets a rerun continue it.
+
+    The record is written before the upload is created (without an id) and again with it: a crash between the
+    two leaves a record that names the key, so the next run can find and abort the upload (`settle_uploads`)."""
 
     def __init__(self, store, bucket: str, key: str, url: str, path: Path, stats: os.stat_result,
-                 options: TransferOptions, log):
+                 options: TransferOptions, log, *, size: Optional[int] = None,
+                 unchanged: Optional[Callable[[], bool]] = None, stop: Optional[threading.Event] = None,
+                 quiet: bool = False):
         self.store, self.bucket, self.key, self.url, self.path = store, bucket, key, url, path
-        self.size = stats.st_size
+        # `size`: the first bytes only (a growing log's snapshot); the whole file otherwise.
+        self.size = stats.st_size if size is None else size
         self.options = options
         self.log = log
-        self.calls = _Calls(options, log)
+        self.stop = stop or threading.Event()
+        self.calls = Calls(options, log, self.stop)
+        self.unchanged = unchanged  # checked before the upload is completed: False abandons it
+        self.quiet = quiet
         self.part_size = _upload_part_size(options.part_size, self.size)
         self.parts = -(-self.size // self.part_size)
-        self.record_path = options.state_dir / f"{_digest(url, path)}.upload.json"
-        # The file's size and mtime: a changed file must not be finished from parts of the old one.
-        self.identity = {"url": url, "path": str(path), "size": self.size, "mtime_ns": stats.st_mtime_ns,
-                         "part_size": self.part_size}
+        self.record_path = options.state_dir / f"{name_digest(url, path)}.upload.json"
+        # The file's size, mtime and inode: a changed file must not be finished from parts of the old one.
+        self.identity = {"url": url, "bucket": bucket, "key": key, "path": str(path), "size": self.size,
+                         "mtime_ns": stats.st_mtime_ns, "ino": stats.st_ino, "part_size": self.part_size}
         self.upload_id = ""
         self.etags: Dict[int, str] = {}
         self.lock = threading.Lock()
@@ -684,8 +694,9 @@ class _Multipart:
             except NotFound:
                 # The recorded upload is gone (aborted, or expired on the server): start over, once.
                 self.log.warning("upload could not be resumed, starting over", url=self.url)
-        self.upload_id = self.calls(self.store.create_multipart, self.bucket, self.key)
         self.etags = {}
+        _write_json(self.record_path, {**self.identity, "upload_id": "", "started": time.time(), "parts": {}})
+        self.upload_id = self.calls(self.store.create_multipart, self.bucket, self.key)
         self._save()
         return self._complete()
 
@@ -708,6 +719,10 @@ class _Multipart:
     def _complete(self) -> ObjectInfo:
         try:
             self._send_missing()
+            if self.stop.is_set():
+                raise TransientError(f"{self.url}: upload interrupted")  # the record stays: a rerun continues it
+            if self.unchanged is not None and not self.unchanged():
+                raise FileChanged(f"{self.path} changed while it was being uploaded")
             info = self.calls(self.store.complete_multipart, self.bucket, self.key, self.upload_id,
                               sorted(self.etags.items()))
         except TransientError:
@@ -724,9 +739,10 @@ class _Multipart:
         missing = [number for number in range(1, self.parts + 1) if number not in self.etags]
         if not missing:
             return
-        calls = _Calls(self.options, self.log)
+        calls = Calls(self.options, self.log, EitherStop(self.stop))
         progress = Progress("upload", self.log, 1, sum(self._length(n) for n in missing),
-                            self.options.progress_seconds, url=self.url)
+                            0.0 if self.quiet else self.options.progress_seconds,
+                            stream=io.StringIO() if self.quiet else None, url=self.url)
         pool = ThreadPoolExecutor(max_workers=min(self.options.workers, len(missing)), thread_name_prefix="upload")
         progress.start()
         try:
@@ -740,7 +756,7 @@ class _Multipart:
     def _length(self, number: int) -> int:
         return min(self.part_size, self.size - (number - 1) * self.part_size)
 
-    def _send_part(self, calls: _Calls, progress: Progress, number: int) -> None:
+    def _send_part(self, calls: Calls, progress: Progress, number: int) -> None:
         if calls.stop.is_set():
             return
         offset = (number - 1) * self.part_size
@@ -753,11 +769,69 @@ class _Multipart:
 
     def _abort(self) -> None:
         """Best effort: the server drops the parts; the record goes either way."""
+        if not self.upload_id:
+            _remove(self.record_path)
+            return
         try:
             self.calls(self.store.abort_multipart, self.bucket, self.key, self.upload_id)
         except StorageError as exc:  # the failure being reported matters more than the leftover parts
             self.log.warning("upload abort failed", url=self.url, error=str(exc))
         _remove(self.record_path)
+
+
+class EitherStop:
+    """The stop of one upload's parts: set by the upload itself (a part failed), or by its owner (`owner`, the
+    sync's deadline), without the upload's own ending ever stopping the owner."""
+
+    POLL_SECONDS = 0.1
+
+    def __init__(self, owner: threading.Event):
+        self.owner = owner
+        self.own = threading.Event()
+
+    def set(self) -> None:
+        self.own.set()
+
+    def is_set(self) -> bool:
+        return self.own.is_set() or self.owner.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = self.POLL_SECONDS if deadline is None else min(self.POLL_SECONDS, deadline - time.monotonic())
+            if left <= 0:
+                break
+            self.own.wait(left)
+        return self.is_set()
+
+
+def settle_uploads(store, state_dir: Path, url_prefix: str, still_same: Callable[[dict], bool], log) -> int:
+    """The unfinished multipart uploads this state folder recorded under `url_prefix`: one whose file is
+    unchanged (`still_same(record)`) is left to be resumed by its next upload; the others are aborted, so no
+    upload of ours is orphaned. A record without an upload id (a crash right after the upload was created)
+    names its key: every unfinished upload of that key is aborted. Returns how many were aborted."""
+    aborted = 0
+    for record_path in sorted(Path(state_dir).glob("*.upload.json")):
+        record = _read_json(record_path)
+        if not record or not str(record.get("url", "")).startswith(url_prefix) or "bucket" not in record:
+            continue
+        if record.get("upload_id") and still_same(record):
+            continue
+        ids = [record["upload_id"]] if record.get("upload_id") else [
+            upload.upload_id for upload in store.list_uploads(record["bucket"], record["key"])
+            if upload.key == record["key"]]
+        for upload_id in ids:
+            try:
+                store.abort_multipart(record["bucket"], record["key"], upload_id)
+                aborted += 1
+            except NotFound:
+                pass
+            except StorageError as exc:
+                log.warning("upload abort failed", url=record.get("url"), error=str(exc))
+                break
+        else:
+            _remove(record_path)
+    return aborted
 
 
 def _upload_part_size(wanted: int, size: int) -> int:
@@ -849,14 +923,14 @@ class _Journal:
                                                 for k, e in kept.items()).encode("utf-8", "surrogateescape"))
 
 
-def _object_url(location: Location, key: str) -> str:
+def object_url(location: Location, key: str) -> str:
     if not location.remote:
         return key
     scheme = location.text.split("://", 1)[0].lower()
     return f"{scheme}://{location.bucket}/{key}"
 
 
-def _digest(*parts) -> str:
+def name_digest(*parts) -> str:
     import hashlib
 
     return hashlib.sha256("\0".join(str(part) for part in parts).encode("utf-8", "surrogateescape")).hexdigest()[:32]

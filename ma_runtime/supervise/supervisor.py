@@ -25,6 +25,7 @@ import signal
 import time
 from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Union
 
+from ma_runtime import children
 from ma_runtime.errors import exit_code_of_status
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
 from ma_runtime.supervise.worker import SIGNAL_NAMES, Proc, Worker, descendants, kill_all, processes, sweep
@@ -120,7 +121,7 @@ class Supervisor:
         self.grace_seconds = grace_seconds
         self.log = log
         # Our own helpers (the guard) are children too, but never targets.
-        self.exclude = tuple(exclude) + ((guard.pid,) if guard is not None else ())
+        self.exclude = children.NotTheCommand((*exclude, *((guard.pid,) if guard is not None else ())))
         self.guard = guard
         self.forwards = forwards
         self._me = os.getpid()

@@ -16,7 +16,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,47 +37,13 @@ from ma_runtime.storage.base import (
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.progress import Progress, render_bar
 from ma_runtime.storage.stores import open_store
+from tests.recording import Log, Wrapper
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-class Log:
-    """A structlog-style logger that keeps (level, event, fields)."""
-
-    def __init__(self):
-        self.records = []
-        self._lock = threading.Lock()
-
-    def _add(self, level, event, **fields):
-        with self._lock:
-            self.records.append((level, event, fields))
-
-    def info(self, event, **fields):
-        self._add("info", event, **fields)
-
-    def warning(self, event, **fields):
-        self._add("warning", event, **fields)
-
-    def error(self, event, **fields):
-        self._add("error", event, **fields)
-
-    def events(self, level=None):
-        return [event for lvl, event, _ in self.records if level in (None, lvl)]
-
-
-class Wrapper:
-    """Passes every call to the wrapped store; subclasses override what they change."""
-
-    def __init__(self, store):
-        self.inner = store
-        self.lock = threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 class CountingStore(Wrapper):
@@ -526,7 +491,7 @@ def test_a_symlink_at_the_partial_name_is_not_written_through(tmp_path):
     dest.mkdir()
     staging = tmp_path / "state" / "partial"
     staging.mkdir(parents=True)
-    (staging / f"{transfer._digest(str(dest / 'f.txt'))}{transfer.PARTIAL_SUFFIX}").symlink_to(outside)
+    (staging / f"{transfer.name_digest(str(dest / 'f.txt'))}{transfer.PARTIAL_SUFFIX}").symlink_to(outside)
 
     transfer.download(MemoryStore({"p/f.txt": b"data"}), storage_url.parse("obs://b/p/"), dest, options(tmp_path),
                       Log())
