@@ -17,10 +17,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, logs, termination
+from ma_runtime import __version__, children, logs, termination
 from ma_runtime import attempt as attempt_module
 from ma_runtime import spec as spec_module
 from ma_runtime import verdict as verdict_module
@@ -49,6 +50,8 @@ _EXPORTED = ("ma_home", "mount_path", "job_dir", "log_dir", "task_name", "task_i
              "schedule_cnt", "vj_name")
 # How long a wait on the signal queue lasts at most (a wake-up lost would cost no more).
 _TICK = 1.0
+# The files a final sync missed, one log line each, up to this many (the termination message lists them too).
+MAX_UNSYNCED_LINES = 50
 # How long the processes a stopped stage left behind get to die of SIGKILL.
 _STRAGGLER_KILL_SECONDS = 2.0
 
@@ -60,6 +63,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
     logs.configure(early_log_format(), masker=masker)
     log = logs.get_logger()
     context = _Context(masker, signals)
+    context.sources = (dict(flags), config_file)
     try:
         spec = spec_module.load(flags, os.environ, config_file)
         if print_config:
@@ -132,6 +136,9 @@ class _Context:
         self.task_log: Optional[Sink] = None
         self.guard = None
         self.attempt: Optional[attempt_module.Attempt] = None  # the last one started
+        self.sources: Any = ({}, None)  # the flags and job file the spec came from: the uploader loads the same
+        self.uploader = None  # sync.control.Uploader, once the command is about to start
+        self.synced = False  # the final sync ran
         self.k8s_path = termination.kubernetes_path(os.environ)
         # Taken before the command runs, so that its own message can be told apart.
         self.k8s_before = termination.snapshot(self.k8s_path)
@@ -196,7 +203,7 @@ class _Context:
             stage=failure.stage,
             exit_code=int(failure.exit_code),
         )
-        self.write_termination(
+        fields = dict(
             stage=failure.stage,
             category=failure.category.value,
             exit_code=int(failure.exit_code),
@@ -204,7 +211,65 @@ class _Context:
             hint=failure.hint,
             attempt=self.attempt.number if self.attempt else None,
         )
-        return int(failure.exit_code)
+        self.write_termination(**fields)
+        if isinstance(failure, ConfigError) and self.uploader is None:
+            return int(failure.exit_code)  # a bad job file or setting: nothing ran, and the sync's settings may be bad
+        return self.sync_at_end(fields, None)
+
+    def start_uploader(self) -> None:
+        """The uploader process, right before the first attempt's command (outputs and logs, while it runs)."""
+        if self.uploader is None and self.spec.syncs:
+            from ma_runtime.sync import control, targets
+
+            targets.of(self.spec)  # a local target inside a synced folder: 78, before the command starts
+            self.uploader = control.Uploader(*self.sources, logs.get_logger())
+            self.uploader.start()
+
+    def sync_at_end(self, fields: Dict[str, Any], stop_requested_at: Optional[float]) -> int:
+        """The final sync (its deadline counted from the stop request, when there was one), after the termination
+        message was written (so that it goes up first). What did not make it turns a success into 80, and is
+        listed in the message either way. Returns the exit code."""
+        if self.spec is None or self.synced:
+            return fields["exit_code"]
+        self.synced = True
+        if self.uploader is None and not self.spec.syncs:
+            return fields["exit_code"]
+        from ma_runtime.sync import control, targets
+
+        try:
+            targets.of(self.spec)
+        except ConfigError:
+            return fields["exit_code"]  # the failure being reported is that one
+        log = logs.get_logger()
+        deadline = (stop_requested_at or time.monotonic()) + self.spec.sync_final_seconds
+        if self.uploader is None:
+            self.uploader = control.Uploader(*self.sources, log)
+        result = self.uploader.final(deadline)
+        if result.complete:
+            log.info("final sync completed", elapsed_s=result.seconds, files=result.files, bytes=result.bytes)
+            self._sync_logs_again(deadline)
+            return fields["exit_code"]
+        unsynced = result.missing or [f"(unknown: {result.error})"]
+        log.warning("final sync incomplete", missing=len(result.missing) if result.answered else "unknown",
+                    error=result.error, seconds=self.spec.sync_final_seconds)
+        for entry in unsynced[:MAX_UNSYNCED_LINES]:
+            log.warning("not synced", file=entry)
+        if fields["exit_code"] == 0:
+            fields = dict(
+                stage="sync", category=Category.INFRASTRUCTURE.value, exit_code=int(ExitCode.STORAGE_FAILED),
+                reason=_unsynced_reason(unsynced, result, self.spec.sync_final_seconds),
+                hint="the command succeeded but its outputs are not all in the store: check the endpoint and the "
+                     "credentials, or give the final sync more time (MA_RUNTIME_FINAL_SYNC_SECONDS)",
+                attempt=fields.get("attempt"))
+            log.error(f"error,exiting: {fields['reason']}", stage="sync", exit_code=fields["exit_code"])
+        self.write_termination(**fields, unsynced=unsynced)
+        self._sync_logs_again(deadline)
+        return fields["exit_code"]
+
+    def _sync_logs_again(self, deadline: float) -> None:
+        """The log lines since, and the termination message as it now is, if time is left."""
+        if time.monotonic() < deadline and self.spec.log_url:
+            self.uploader.final(deadline, scope="logs")
 
     def write_termination(self, **fields) -> None:
         # Without a usable log directory (bad configuration), only Kubernetes' copy.
@@ -220,6 +285,8 @@ class _Context:
 
     def close(self) -> None:
         """The exit steps: nothing of ours left running, the attempt record closed, the guard stood down."""
+        if self.uploader is not None:
+            self.uploader.close()
         self._end_stragglers()
         if self.attempt is not None:
             _record_quietly(self.spec, self.attempt, finished=True)  # the next runtime in this pod starts afresh
@@ -232,7 +299,7 @@ class _Context:
     def _end_stragglers(self) -> None:
         """What a stage stopped midway left running (a preflight tool): the supervisor cleans up after the
         command, but nothing else does."""
-        exclude = (self.guard.pid,) if self.guard is not None else ()
+        exclude = children.NotTheCommand((self.guard.pid,) if self.guard is not None else ())
         me = os.getpid()
 
         def members() -> Dict[int, Any]:
@@ -241,6 +308,20 @@ class _Context:
 
         if members():
             sweep(members, _STRAGGLER_KILL_SECONDS)
+
+
+def _unsynced_reason(unsynced: List[str], result, seconds: float) -> str:
+    """`outputs not synced: 3 file(s) did not reach the store within ...: train_url: a.pt, ...`."""
+    from ma_runtime.sync.targets import LOG_CHANNEL
+
+    what = "logs" if all(entry.startswith(f"{LOG_CHANNEL}: ") for entry in unsynced) else "outputs"
+    if not result.answered:
+        reason = f"{what} not synced: the final sync did not finish"
+    else:
+        shown = ", ".join(unsynced[:3]) + (f", and {len(unsynced) - 3} more" if len(unsynced) > 3 else "")
+        reason = (f"{what} not synced: {len(unsynced)} file(s) did not reach the store within "
+                  f"MA_RUNTIME_FINAL_SYNC_SECONDS={seconds:g}: {shown}")
+    return reason + (f" ({result.error})" if result.error else "")
 
 
 def _record_quietly(spec, attempt, finished: bool = False) -> None:
@@ -264,12 +345,13 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
         plan = context.wait_for(functools.partial(_plan, spec, command, prepared, attempt), when)
         context.attempt = attempt
         _record_quietly(spec, attempt)
+        context.start_uploader()
         outcome = _launch(spec, plan, attempt, context, prepared)
         verdict = _verdict(outcome, plan, attempt)
         history.append(verdict)
         decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
         if not decision.restart:
-            return _finish(verdict, decision, history, attempt, context)
+            return _finish(verdict, decision, history, attempt, context, outcome.stop_requested_at)
         log.info("restarting command", attempt=attempt.number + 1, reason=verdict.reason,
                  restarts_left=policy.max_restarts - attempt.restarts - 1, backoff_s=decision.delay)
         when = f"between attempts {attempt.number} and {attempt.number + 1}"
@@ -369,17 +451,19 @@ def _verdict(outcome: Outcome, plan: plan_module.Plan, attempt) -> verdict_modul
 
 
 def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict], attempt,
-            context: _Context) -> int:
-    """The job's exit code and termination message, from the last attempt's verdict and the decision."""
+            context: _Context, stop_requested_at: Optional[float]) -> int:
+    """The job's exit code and termination message, from the last attempt's verdict and the decision; then the
+    final sync, which can turn a success into 80."""
     final = verdict_module.gave_up(verdict, decision.why) if decision.gave_up else verdict
     if decision.gave_up:
         logs.get_logger().error(f"error,exiting: {final.reason}", hint=final.hint, stage="supervise",
                                 exit_code=final.exit_code, attempts=len(history))
     elif decision.why and verdict.exit_code != 0:
         logs.get_logger().info("not restarting", reason=decision.why)
+    fields: Dict[str, Any] = dict(exit_code=0, attempt=attempt.number)
     if final.exit_code != 0:
         numbers = range(attempt.number - len(history) + 1, attempt.number + 1)
-        context.write_termination(
+        fields = dict(
             stage="supervise",
             category=final.category,
             exit_code=final.exit_code,
@@ -393,7 +477,8 @@ def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_mod
             attempts=[v.summary(n) for v, n in zip(history, numbers)] if len(history) > 1 or decision.gave_up
             else None,
         )
-    return final.exit_code
+        context.write_termination(**fields)
+    return context.sync_at_end(fields, stop_requested_at)
 
 
 def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, opened: List[Sink]) -> List[Worker]:
@@ -532,6 +617,7 @@ def _print_config(spec: spec_module.JobSpec, command: Sequence[str], masker: Mas
         else None,
         "channels": [
             {"kind": c.kind, "name": c.name, "url": c.url, "mode": c.mode, "predownload": c.predownload,
+             **({"sync": c.sync, "delete": c.delete} if c.kind == "outputs" else {}),
              "path": str(c.local_dir(spec.mount_path))}
             for c in (*spec.inputs, *spec.outputs)
         ],

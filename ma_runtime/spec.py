@@ -136,6 +136,14 @@ def _targets(text: str) -> Tuple[Tuple[str, Path], ...]:
     return tuple(pairs)
 
 
+def _globs(text: str) -> Tuple[str, ...]:
+    """`latest_checkpointed_iteration.txt,*.done`: file-name patterns (fnmatch), never a path."""
+    patterns = tuple(dict.fromkeys(word.strip() for word in str(text).split(",") if word.strip()))
+    if any("/" in pattern or len(pattern) > 255 for pattern in patterns):
+        raise BadValue("must list file-name patterns (no '/'), separated by commas")
+    return patterns
+
+
 def _url(text: str) -> str:
     from ma_runtime.storage import url as storage_url  # obs://, s3://, file:// or a path
 
@@ -237,6 +245,20 @@ SETTINGS: Tuple[Setting, ...] = (
         )
     ),
     Setting("code_url", "MA_RUNTIME_CODE_URL", _url, "code directory to download into MA_JOB_DIR", cli=False),
+    Setting("log_url", "MA_RUNTIME_LOG_URL", _url, "where MA_LOG_DIR is synced (unset: logs stay local)", cli=False),
+    *(
+        Setting(f"sync_{name}", env, parse, help, default, cli=False)
+        for name, env, parse, help, default in (
+            ("interval_seconds", "MA_RUNTIME_SYNC_INTERVAL_SECONDS", _number(0.1, 3600), "pause between the end "
+             "of one output sync cycle and the start of the next", 5.0),
+            ("log_interval_seconds", "MA_RUNTIME_LOG_SYNC_INTERVAL_SECONDS", _number(0.1, 86400), "pause between "
+             "two log sync cycles", 30.0),
+            ("final_seconds", "MA_RUNTIME_FINAL_SYNC_SECONDS", _seconds, "deadline of the final sync, from the stop "
+             "request (or the command's end)", 25.0),
+            ("markers", "MA_RUNTIME_SYNC_MARKERS", _globs, "completion-marker file names (globs): the folder "
+             "holding one is uploaded first, the marker last", ("latest_checkpointed_iteration.txt", "*.done")),
+        )
+    ),
     Setting("storage_endpoint", "MA_S3_ENDPOINT", str, "OBS endpoint, e.g. https://obs.cn-north-4.myhuaweicloud.com",
             cli=False),
     Setting("storage_use_https", "S3_USE_HTTPS", _switch, "HTTPS (1) or HTTP (0) for an endpoint without scheme",
@@ -295,7 +317,7 @@ parse_seconds = _seconds
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters", "inputs", "outputs")
 # Job-file sections whose keys are settings named `<section>_<key>`.
-FILE_SECTIONS = ("preflight", "storage", "code", "ranktable")
+FILE_SECTIONS = ("preflight", "storage", "code", "ranktable", "sync")
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
 
 
@@ -363,6 +385,11 @@ class JobSpec:
     msrun_cluster_time_out: int
     msrun_master_port: int
     master_resolve_seconds: float
+    log_url: Optional[str]
+    sync_interval_seconds: float
+    sync_log_interval_seconds: float
+    sync_final_seconds: float
+    sync_markers: Tuple[str, ...]
     # Ordered (name, value) pairs, appended to the command as --name=value.
     hyperparameters: Tuple[Tuple[str, str], ...] = ()
     inputs: Tuple["Channel", ...] = ()
@@ -377,6 +404,12 @@ class JobSpec:
     def state_dir(self) -> Path:
         """The runtime's own records (staged.json, transfer state, the converted rank table)."""
         return self.mount_path / ".ma-runtime"
+
+    @property
+    def syncs(self) -> bool:
+        """Whether anything is synced (outputs not `sync: false`, or a log URL): a job that syncs nothing does not
+        even import the sync."""
+        return bool(self.log_url) or any(channel.sync for channel in self.outputs)
 
     @property
     def waits_for_rank_table(self) -> bool:
@@ -673,13 +706,16 @@ class Channel:
     url: str
     mode: str = "argument"  # "argument" or "env"
     predownload: bool = False  # outputs: fetch what is already there (resume)
+    sync: bool = True  # outputs: uploaded while the command runs and at its end
+    delete: bool = False  # outputs: a file uploaded, then removed locally, is removed from the store
 
     def local_dir(self, mount_path: Path) -> Path:
         """`${MA_MOUNT_PATH}/inputs/data_url_0`, `${MA_MOUNT_PATH}/outputs/train_url_0` (docs/platform.md, D10)."""
         return mount_path / self.kind / f"{self.name}_{self.index}"
 
 
-_CHANNEL_KEYS = {"inputs": ("name", "url", "mode"), "outputs": ("name", "url", "mode", "predownload")}
+_CHANNEL_KEYS = {"inputs": ("name", "url", "mode"),
+                 "outputs": ("name", "url", "mode", "predownload", "sync", "delete")}
 
 
 def _channels(kind: str, raw: Any) -> Tuple[Channel, ...]:
@@ -708,10 +744,12 @@ def _channel(kind: str, index: int, entry: Any) -> Channel:
     mode = str(entry.get("mode", "argument"))
     if mode not in ("argument", "env"):
         raise ConfigError(f"{where}: mode must be argument or env, not {mode!r}")
-    predownload = entry.get("predownload", False)
-    if not isinstance(predownload, bool):
-        raise ConfigError(f"{where}: predownload must be true or false")
-    return Channel(kind, index, name, url.strip(), mode, predownload)
+    switches = {key: entry.get(key, default) for key, default in (("predownload", False), ("sync", True),
+                                                                    ("delete", False))}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be true or false")
+    return Channel(kind, index, name, url.strip(), mode, **switches)
 
 
 def format_value(value: Any) -> str:

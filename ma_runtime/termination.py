@@ -22,6 +22,8 @@ TAIL_LINE_CHARS = 1024
 DEFAULT_PATH = "/dev/termination-log"
 # Attempts kept when the message must shrink: the last ones say whether the failures were the same.
 KEPT_ATTEMPTS = 8
+# Files kept in `unsynced` when the message must shrink; a last entry says how many more there were.
+KEPT_UNSYNCED = 10
 PATH_ENV = "MA_RUNTIME_TERMINATION_LOG"
 
 
@@ -64,6 +66,7 @@ def build(
     attempt: Optional[int] = None,
     attempts: Optional[List[Dict[str, Any]]] = None,
     command_exit_code: Optional[int] = None,
+    unsynced: Optional[List[str]] = None,
     masker=None,
 ) -> Dict[str, Any]:
     message = {
@@ -85,6 +88,8 @@ def build(
         message["command_exit_code"] = command_exit_code  # the last attempt's own code, under an exit 82
     if attempts:
         message["attempts"] = list(attempts)  # one entry per start of the command, oldest first
+    if unsynced:
+        message["unsynced"] = list(unsynced)  # `<channel>: <path>` the final sync did not upload
     return masker.data(message) if masker else message
 
 
@@ -98,6 +103,11 @@ def render(message: Dict[str, Any]) -> bytes:
     # Of a long list of attempts, the oldest go first (down to the last KEPT_ATTEMPTS), then the tail's lines.
     while len(data) > MAX_BYTES and len(message.get("attempts") or ()) > KEPT_ATTEMPTS:
         message["attempts"] = message["attempts"][1:]
+        data = _dump(message)
+    unsynced = message.get("unsynced") or []
+    if len(data) > MAX_BYTES and len(unsynced) > KEPT_UNSYNCED:
+        message["unsynced"] = [*unsynced[:KEPT_UNSYNCED],
+                               f"... and {len(unsynced) - KEPT_UNSYNCED} more (the task log lists them)"]
         data = _dump(message)
     while len(data) > MAX_BYTES and message["tail"]:
         message["tail"].pop(0)

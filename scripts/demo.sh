@@ -12,4 +12,5 @@ status=0
 echo "== exit code: $status"
 echo "== task log: $(ls "$MA_HOME"/modelarts/log/*.log)"
 echo "== model: $(cat "$MA_HOME"/modelarts/outputs/train_url_0/model.json)"
+echo "== synced to the output URL (a local folder standing in for obs://): $(ls -d .ma-runtime/demo-output/model.json)"
 exit "$status"

@@ -54,8 +54,9 @@ def _rank(spec, context: Context, prepared, device) -> WorkerPlan:
         "ASCEND_DEVICE_ID": logical,
         "DEVICE_ID": logical,
         "JOB_ID": spec.job_id,
-        # The platform's upload layout (docs/platform.md, "Logs").
-        "ASCEND_PROCESS_LOG_PATH": str(spec.log_dir / "ascend" / "process_log" / f"rank_{device.rank_id}"),
+        # The platform's layout (docs/platform.md, "Logs"): the log sync mirrors MA_LOG_DIR as it is.
+        "ASCEND_PROCESS_LOG_PATH": str(spec.log_dir / f"modelarts-job-{spec.job_id}" / "ascend" / "process_log"
+                                       / f"rank_{device.rank_id}"),
     }
     proc_log = spec.log_dir / f"modelarts-job-{spec.job_id}-proc-rank-{device.rank_id}-device-{logical}.txt"
     return WorkerPlan(f"rank-{device.rank_id}", tuple(context.argv), env, logs={"proc": str(proc_log)},

@@ -534,7 +534,8 @@ def rtf_env(job_spec, table, rank, logical, start="1", schedule="1"):
         "ASCEND_DEVICE_ID": str(logical),
         "DEVICE_ID": str(logical),
         "JOB_ID": UUID,
-        "ASCEND_PROCESS_LOG_PATH": str(job_spec.log_dir / "ascend" / "process_log" / f"rank_{rank}"),
+        "ASCEND_PROCESS_LOG_PATH": str(job_spec.log_dir / f"modelarts-job-{job_spec.job_id}" / "ascend" / "process_log"
+                                       / f"rank_{rank}"),
     }
 
 

@@ -1,0 +1,184 @@
+"""The uploader process: `python -m ma_runtime.sync.uploader`, beside the command, as the platform runs its own.
+
+Why a process of its own: its CPU (hashing, TLS, the SDK) and its memory stay out of the supervisor's way
+(signals, console forwarding) and cannot stall it; it runs niced; and its death is an event, not the
+runtime's death (control.py starts it again, once).
+
+Protocol, one JSON document per line:
+- stdin, first line: `{"flags": {...}, "config_file": ...}`: it loads the same JobSpec as the runtime (same
+  environment, same job file, same flags), so nothing about the job travels on a command line or in a file;
+- stdin, then: `{"final": <deadline>, "scope": "all" | "logs"}`: the periodic cycles stop and one final
+  sync runs until the deadline (a `time.monotonic()` value: CLOCK_MONOTONIC is the machine's clock, not the
+  process's); its result goes to stdout as `{"files", "bytes", "missing", "error", "seconds"}`;
+- stdin at end of file (the runtime closed it, or died): the process exits at once. An upload cut short
+  keeps its record and is resumed by the next uploader.
+SIGINT, SIGTERM and SIGHUP are ignored: a Ctrl-C at a terminal reaches the whole foreground process group,
+and the runtime, not the terminal, says when the final sync runs.
+
+Periodic cycles, per channel: the next starts `interval` seconds after the previous ended (outputs:
+MA_RUNTIME_SYNC_INTERVAL_SECONDS, logs: MA_RUNTIME_LOG_SYNC_INTERVAL_SECONDS), so they never overlap or pile
+up; or later, when the walk of the folder alone would take more than 5 % of a core (WALK_SHARE).
+
+The final sync's order: the termination message and the top-level logs (within a third of the time left),
+each output channel (small files, markers, large files, markers), then the rest of the logs.
+"""
+
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+NICENESS = 10  # below the training's priority: on 2 cores a sync cycle must not take a worker's core
+# A folder so large that walking it costs more than 1/WALK_SHARE of a core at the interval is walked less often:
+# 10 000 files (about 40 ms) keep the 5 s interval; a million (about 4 s) are walked every 80 s.
+WALK_SHARE = 20
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def main() -> int:
+    """Ends by os._exit: the command reader may still hold stdin, which an orderly interpreter exit would wait on."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    lines = _lines(0)
+    config = json.loads(next(lines, b"null"))
+    if not config:
+        os._exit(0)
+    try:
+        _serve(config, lines)
+    except Exception as exc:  # noqa: BLE001 - one line, then the runtime reports the death as the platform does
+        from ma_runtime import logs
+
+        logs.get_logger().error("upload process failed", error=f"{type(exc).__name__}: {exc}")
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve(config: dict, lines) -> None:
+    from ma_runtime import logs
+    from ma_runtime import spec as spec_module
+    from ma_runtime.output import Sink
+    from ma_runtime.redact import Masker
+
+    spec = spec_module.load(config.get("flags") or {}, os.environ, config.get("config_file"))
+    logs.configure(spec.log_format, spec.log_level, Masker.from_environ())
+    log = logs.get_logger()
+    try:
+        spec.task_log_path.parent.mkdir(parents=True, exist_ok=True)
+        logs.add_sink(Sink.open_append(str(spec.task_log_path)))
+    except OSError as exc:  # the log folder removed under us: stderr only, and the outputs still synced
+        log.warning("the upload process cannot write the task log", path=str(spec.task_log_path), error=str(exc))
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
+    commands: queue.Queue = queue.Queue()
+    final_asked = threading.Event()
+    threading.Thread(target=_read_commands, args=(lines, commands, final_asked), name="commands",
+                     daemon=True).start()
+    Uploads(_channel_syncs(spec, log), spec, log).serve(commands, final_asked)
+
+
+def _channel_syncs(spec, log) -> list:
+    from ma_runtime.storage import url as url_module
+    from ma_runtime.storage.stores import open_store
+    from ma_runtime.storage.transfer import TransferOptions
+    from ma_runtime.sync import targets
+    from ma_runtime.sync.engine import ChannelSync
+
+    state = spec.state_dir / "sync"
+    options = TransferOptions.from_spec(spec, state)
+    syncs = []
+    for target in targets.of(spec):
+        store = open_store(url_module.parse(target.url, target.name), spec)
+        syncs.append(ChannelSync(target, store, options, spec.sync_markers, log, state))
+    return syncs
+
+
+def _lines(fd: int):
+    """The lines of `fd`, read with os.read (no buffered-stream lock for a daemon thread to hold at exit)."""
+    buffered = b""
+    while True:
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            if line.strip():
+                yield line
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        buffered += chunk
+
+
+def _read_commands(lines, commands: "queue.Queue[dict]", final_asked: threading.Event) -> None:
+    for line in lines:
+        final_asked.set()  # before the queue: the cycle under way stops taking files
+        commands.put(json.loads(line))
+    os._exit(0)  # the runtime is gone or done with us: nothing may outlive it
+
+
+class Uploads:
+    def __init__(self, syncs: list, spec, log):
+        self.syncs = syncs
+        self.outputs = [sync for sync in syncs if not sync.target.is_log]
+        self.logs = [sync for sync in syncs if sync.target.is_log]
+        self.intervals = {id(sync): spec.sync_log_interval_seconds if sync.target.is_log
+                          else spec.sync_interval_seconds for sync in syncs}
+        self.log = log
+
+    def serve(self, commands: "queue.Queue[dict]", final_asked: threading.Event) -> None:
+        for sync in self.syncs:
+            sync.start()
+        due = {id(sync): 0.0 for sync in self.syncs}
+        while True:
+            if not final_asked.is_set():
+                for sync in self.syncs:
+                    if due[id(sync)] <= time.monotonic() and not final_asked.is_set():
+                        sync.cycle(stop=final_asked)
+                        due[id(sync)] = time.monotonic() + pause(self.intervals[id(sync)], sync.walk_cpu)
+            wait = max(0.0, min(due.values(), default=time.monotonic() + 3600) - time.monotonic())
+            try:
+                command = commands.get(timeout=None if final_asked.is_set() else wait)
+            except queue.Empty:
+                continue
+            _answer(self.final(float(command["final"]), command.get("scope", "all")))
+
+    def final(self, deadline: float, scope: str) -> Dict[str, object]:
+        """`deadline`: the runtime's time.monotonic() value (one clock for every process of the machine)."""
+        from ma_runtime.sync.targets import is_priority_log
+
+        started = time.monotonic()
+        passes = [(sync, None) for sync in self.logs]
+        if scope == "all":
+            passes = [*((sync, is_priority_log) for sync in self.logs), *((sync, None) for sync in self.outputs),
+                      *passes]
+        files = nbytes = 0
+        missing: Dict[str, List[str]] = {}
+        error: Optional[str] = None
+        for sync, only in passes:
+            # The first logs may take a third of the time left at most: an endpoint that refuses them must not
+            # leave the outputs no time at all.
+            limit = deadline if only is None else time.monotonic() + (deadline - time.monotonic()) / 3
+            result = sync.cycle(final=True, deadline=limit, only=only)
+            files, nbytes = files + result.files, nbytes + result.bytes
+            error = error or result.error
+            if only is None:
+                missing[sync.target.name] = result.missing
+        return {"files": files, "bytes": nbytes, "error": error, "seconds": round(time.monotonic() - started, 3),
+                "missing": [f"{name}: {relative}" for name, relatives in missing.items() for relative in relatives]}
+
+
+def pause(interval: float, walk_cpu: float) -> float:
+    """Seconds from the end of a cycle to the start of the next."""
+    return max(interval, WALK_SHARE * walk_cpu)
+
+
+def _answer(result: Dict[str, object]) -> None:
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
