@@ -163,7 +163,7 @@ class ChannelSync:
         result.seconds = time.monotonic() - started
         with run.lock:  # after a deadline, upload threads may still be finishing
             result.missing = sorted(self._missing(run.held | run.pending)) if final else []
-        self._report(result, final)
+        self._report(result, final, whole=only is None)
         return result
 
     def _missing(self, relatives: Set[str]) -> List[str]:
@@ -294,8 +294,11 @@ class ChannelSync:
     def _kind(self) -> str:
         return "log" if self.target.is_log else "output"
 
-    def _report(self, result: Result, final: bool) -> None:
-        if result.files:
+    def _report(self, result: Result, final: bool, whole: bool) -> None:
+        """The platform's event for each cycle that uploaded something, and at the end of a final sync that
+        left nothing out, whatever it uploaded (the channel is then complete in the store)."""
+        complete_at_the_end = final and whole and not result.missing and not result.error
+        if result.files or complete_at_the_end:
             self.log.info(f"{self._kind} upload completed", name=self.target.name, elapsed_s=round(result.seconds, 3),
                           files=result.files, bytes=result.bytes, final=True if final else None)
         if result.error:

@@ -1257,3 +1257,25 @@ def test_a_folder_whose_walk_is_costly_is_walked_less_often(tmp_path):
     assert channel.sync.walk_cpu > 0  # measured each cycle
     assert uploader.pause(5.0, 0.04) == 5.0  # 10 000 files: the interval stands
     assert uploader.pause(5.0, 4.0) == 80.0  # a million: at most 5 % of a core on walking
+
+
+def test_the_end_of_a_complete_final_sync_is_an_event_even_with_nothing_left_to_upload(tmp_path):
+    channel = Channel(tmp_path)
+    write(channel.root / "a.bin", b"a")
+    channel.cycle(final=True)
+    channel.log.records.clear()
+
+    channel.cycle(final=True)  # the periodic cycles had sent everything
+
+    assert channel.log.fields("output upload completed") == [
+        {"name": "train_url", "elapsed_s": pytest.approx(0, abs=5), "files": 0, "bytes": 0, "final": True}]
+
+
+def test_a_final_sync_that_left_files_out_is_not_announced_as_completed(tmp_path):
+    channel = Channel(tmp_path)
+    write(channel.root / "a.bin", b"a")
+
+    result = channel.cycle(final=True, deadline=time.monotonic() - 1)
+
+    assert result.missing == ["a.bin"]
+    assert channel.log.fields("output upload completed") == []
