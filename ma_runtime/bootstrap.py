@@ -250,18 +250,7 @@ class _Context:
             self._sync_logs_again(deadline)
             return fields["exit_code"]
         unsynced = result.missing or [f"(unknown: {result.error})"]
-        log.warning("final sync incomplete", missing=len(result.missing) if result.answered else "unknown",
-                    error=result.error, seconds=self.spec.sync_final_seconds)
-        for entry in unsynced[:MAX_UNSYNCED_LINES]:
-            log.warning("not synced", file=entry)
-        if fields["exit_code"] == 0:
-            fields = dict(
-                stage="sync", category=Category.INFRASTRUCTURE.value, exit_code=int(ExitCode.STORAGE_FAILED),
-                reason=_unsynced_reason(unsynced, result, self.spec.sync_final_seconds),
-                hint="the command succeeded but its outputs are not all in the store: check the endpoint and the "
-                     "credentials, or give the final sync more time (MA_RUNTIME_FINAL_SYNC_SECONDS)",
-                attempt=fields.get("attempt"))
-            log.error(f"error,exiting: {fields['reason']}", stage="sync", exit_code=fields["exit_code"])
+        fields = _after_incomplete_sync(fields, unsynced, result, self.spec.sync_final_seconds, log)
         self.write_termination(**fields, unsynced=unsynced)
         self._sync_logs_again(deadline)
         return fields["exit_code"]
@@ -308,6 +297,25 @@ class _Context:
 
         if members():
             sweep(members, _STRAGGLER_KILL_SECONDS)
+
+
+def _after_incomplete_sync(fields: Dict[str, Any], unsynced: List[str], result, seconds: float, log) -> Dict[str, Any]:
+    """Logs what the final sync missed; a job that had succeeded becomes exit 80 (its outputs would be lost),
+    any other keeps its own verdict. Returns the termination message's fields."""
+    log.warning("final sync incomplete", missing=len(result.missing) if result.answered else "unknown",
+                error=result.error, seconds=seconds)
+    for entry in unsynced[:MAX_UNSYNCED_LINES]:
+        log.warning("not synced", file=entry)
+    if fields["exit_code"] != 0:
+        return fields
+    fields = dict(
+        stage="sync", category=Category.INFRASTRUCTURE.value, exit_code=int(ExitCode.STORAGE_FAILED),
+        reason=_unsynced_reason(unsynced, result, seconds),
+        hint="the command succeeded but its outputs are not all in the store: check the endpoint and the "
+             "credentials, or give the final sync more time (MA_RUNTIME_FINAL_SYNC_SECONDS)",
+        attempt=fields.get("attempt"))
+    log.error(f"error,exiting: {fields['reason']}", stage="sync", exit_code=fields["exit_code"])
+    return fields
 
 
 def _unsynced_reason(unsynced: List[str], result, seconds: float) -> str:
