@@ -72,6 +72,10 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         if not command:
             raise ConfigError("no command given", hint="usage: ma-run [OPTIONS] [--] CMD...")
         logs.configure(spec.log_format, spec.log_level, masker)
+        if spec.syncs:  # a local copy inside a synced folder: 78 now, before anything is checked or fetched
+            from ma_runtime.sync import targets
+
+            targets.of(spec)
         context.spec = spec
         context.open_task_log()
         for note in spec.notes:
@@ -219,9 +223,8 @@ class _Context:
     def start_uploader(self) -> None:
         """The uploader process, right before the first attempt's command (outputs and logs, while it runs)."""
         if self.uploader is None and self.spec.syncs:
-            from ma_runtime.sync import control, targets
+            from ma_runtime.sync import control
 
-            targets.of(self.spec)  # a local target inside a synced folder: 78, before the command starts
             self.uploader = control.Uploader(*self.sources, logs.get_logger())
             self.uploader.start()
 

@@ -968,7 +968,7 @@ class _InOrderHash:
     """MD5 of a partial file, fed part by part in order as the parts land (a follower thread)."""
 
     def __init__(self, fd: int, part_size: int, parts: int, size: int):
-        self.digest = _new_md5()
+        self.digest = new_md5()
         self.fd, self.part_size, self.parts, self.size = fd, part_size, parts, size
         self.ready: Set[int] = set()
         self.cancelled = False
@@ -1021,7 +1021,7 @@ class _InOrderHash:
                 start += len(chunk)
 
 
-def _new_md5():
+def new_md5():
     import hashlib
 
     return hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
@@ -1042,14 +1042,15 @@ def _verify(fd: int, partial: str, item: _Item, digest: Optional[str] = None) ->
     if stats.st_size != item.info.size:
         return "size mismatch", f"{stats.st_size} bytes, expected {item.info.size}"
     if item.info.md5:
-        actual = digest or _md5(fd, stats.st_size)
+        actual = digest or md5_of(fd, stats.st_size)
         if actual != item.info.md5:
             return "checksum mismatch", f"md5 {actual}, expected {item.info.md5}"
     return None
 
 
-def _md5(fd: int, size: int) -> str:
-    digest = _new_md5()
+def md5_of(fd: int, size: int) -> str:
+    """The MD5 of the first `size` bytes of the open file `fd`, read in HASH_CHUNK pieces."""
+    digest = new_md5()
     offset = 0
     while offset < size:
         chunk = os.pread(fd, min(HASH_CHUNK, size - offset), offset)

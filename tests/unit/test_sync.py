@@ -1279,3 +1279,33 @@ def test_a_final_sync_that_left_files_out_is_not_announced_as_completed(tmp_path
 
     assert result.missing == ["a.bin"]
     assert channel.log.fields("output upload completed") == []
+
+
+def test_the_sync_section_of_the_job_file_sets_the_sync_settings(tmp_path):
+    spec = load_spec(tmp_path, sync={"interval_seconds": 2, "log_interval_seconds": 60, "final_seconds": 10,
+                                     "markers": ["step.ok", "*.done"]}, log_url=str(tmp_path / "logs-up"))
+
+    assert (spec.sync_interval_seconds, spec.sync_log_interval_seconds, spec.sync_final_seconds) == (2, 60, 10)
+    assert spec.sync_markers == ("step.ok", "*.done")
+    assert spec.log_url == str(tmp_path / "logs-up")
+    assert spec.sources["sync_interval_seconds"] == "file"
+
+
+def test_a_local_target_inside_a_synced_folder_stops_the_run_before_anything_is_fetched(tmp_path, job_env):
+    from tests.conftest import run_ma
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "x.txt").write_text("input")
+    home = Path(job_env["MA_HOME"])
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({
+        "inputs": [{"name": "data_url", "url": str(data) + "/"}],
+        "outputs": [{"name": "train_url", "url": str(home / "modelarts" / "outputs" / "train_url_0" / "copy")}]}))
+
+    done = run_ma(["--config", str(job), "--", "true"], {**job_env, "MA_RUNTIME_PREFLIGHT": "off"})
+
+    assert done.returncode == ExitCode.BAD_CONFIGURATION, done.stderr
+    assert "output 'train_url': the URL" in done.stderr and "is inside the folder it syncs" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (home / "modelarts" / "inputs").exists()  # nothing staged in for a run that cannot sync
