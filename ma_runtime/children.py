@@ -57,11 +57,13 @@ def end_helper(pid: int) -> None:
 
 
 class NotTheCommand:
-    """The `exclude` of a process-tree walk: the given pids (the guard) and every helper, including one
-    started after the walk's owner was built (a restarted uploader)."""
+    """The `exclude` of a process-tree walk: the given pids (the guard), every helper, including one started
+    after the walk's owner was built (a restarted uploader), and every tool the runtime runs and waits for
+    itself (the hang monitor's nvidia-smi, py-spy): none is the command's, none may be stopped as if it were,
+    and a tool coming and going is no activity of the command's."""
 
     def __init__(self, pids: Iterable[int] = ()):
         self.pids = frozenset(pids)
 
     def __contains__(self, pid: object) -> bool:
-        return pid in self.pids or pid in _HELPERS
+        return pid in self.pids or pid in _HELPERS or pid in _OWNED

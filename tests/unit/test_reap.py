@@ -43,3 +43,23 @@ def test_tracked_workers_and_orphans_are_still_reaped():
         reap({})
         assert time.monotonic() < deadline
     worker.returncode = orphan_parent.returncode = 0  # reaped by us: Popen must not wait for them
+
+
+def test_a_tool_the_runtime_runs_itself_is_not_the_commands_process():
+    """The hang monitor runs nvidia-smi while the workers run: the tree walk (stops, sweeps, the monitor's own
+    activity count) must not take the tool for one of the command's processes, nor the processes it starts."""
+    from ma_runtime import children
+    from ma_runtime.supervise.worker import descendants
+
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (run_tool(["sh", "-c", "sleep 1 & sleep 1; wait"], 10), done.set()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not descendants(os.getpid()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert descendants(os.getpid()), "the tool did not start"
+        assert descendants(os.getpid(), children.NotTheCommand()) == []
+    finally:
+        thread.join(10)
+    assert done.is_set()
