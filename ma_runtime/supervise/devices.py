@@ -21,19 +21,28 @@ nvidia-smi reports host pids, and in a container with its own pid namespace the 
 name reads `[Not Found]`: the pid in a message is then the host's, which is what the
 node's operator needs. The default `nvidia-smi` table hides such processes; the query
 does not.
+
+The same tools give the hang detector its accelerator metric (`utilisation`): npu-smi's
+NPU table (AICore(%) of each chip, Health of each NPU; the one `npu-smi info` call the wait
+makes) and `nvidia-smi --query-gpu=index,pci.bus_id,utilization.gpu`. Devices are named as
+the wait names them, so a message about one device reads alike from both. A partial answer
+is still an answer: nvidia-smi prints `Unable to determine the device handle for ...` for a
+GPU fallen off the bus and exits 15, but the other GPUs' rows are read, and the lost one is
+reported unhealthy. Only an answer with no device in it is a failure. Health follows the
+preflight (`preflight.npu`): OK and Warning are healthy.
 """
 
 import os
 import re
 import shutil
 import time
-from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from ma_runtime.errors import DeviceNotReleased
 from ma_runtime.preflight import accelerator
 from ma_runtime.preflight.accelerator import GPU, first_line
 from ma_runtime.preflight.model import ToolError, run_tool
-from ma_runtime.preflight.npu import row_cells
+from ma_runtime.preflight.npu import HEALTHY, MINOR, row_cells
 
 # npu-smi takes a good part of a second per call and walks every card's driver; asking more often
 # would load the driver the ranks are leaving without ending the wait any sooner.
@@ -44,6 +53,10 @@ _BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-
 _NO_PROCESS = "No running processes found"
 # A cell that holds no value: npu-smi prints NA, nvidia-smi [N/A] or [Not Supported].
 _NO_VALUE = {"", "NA", "N/A", "[N/A]", "[Not Supported]"}
+# npu-smi also prints "-" for a value a chip does not report (the second chip's power on an Atlas A3).
+_NO_READING = _NO_VALUE | {"-"}
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s*%?")
+_LOST_GPU = re.compile(r"Unable to determine the device handle for (.*)", re.IGNORECASE)
 
 # pause(seconds) sleeps up to `seconds` and says whether a stop was requested meanwhile.
 Pause = Callable[[float], bool]
@@ -73,12 +86,27 @@ class Listing(NamedTuple):
         return self.failure is None and not self.holders
 
 
+class Utilisation(NamedTuple):
+    """What one call of the tool said about the devices' load and health (the hang detector's metric)."""
+
+    tool: str  # the command, as messages quote it: "npu-smi info", "nvidia-smi"
+    devices: Dict[str, Optional[float]]  # device (named as Holder.device) -> percent; None: the tool shows none
+    unhealthy: List[str]  # one phrase per device the tool reports lost or not healthy: "NPU 3: Critical"
+    failure: Optional[str] = None  # why the tool said nothing usable: "npu-smi info exited 255: ..."
+
+
+# (devices, unhealthy) read from the tool's (stdout, stderr).
+Readings = Tuple[Dict[str, Optional[float]], List[str]]
+
+
 class Tool(NamedTuple):
     """An accelerator tool: how to run it and read what it lists (NPU_TOOL, GPU_TOOL at the end)."""
 
     label: str  # the command, as messages quote it
     argv: Tuple[str, ...]
     parse: Callable[[str], List[Holder]]
+    utilisation_argv: Tuple[str, ...]
+    parse_utilisation: Callable[[str, str], Readings]
 
 
 class Unparsable(ValueError):
@@ -101,6 +129,40 @@ def busy(spec: Any, environ: Mapping[str, str]) -> Optional[Listing]:
         return Listing(tool.label, tool.parse(out))
     except Unparsable as error:
         return Listing(tool.label, [], f"{tool.label} printed {error}")
+
+
+def utilisation(spec: Any, environ: Mapping[str, str]) -> Optional[Utilisation]:
+    """Each device's utilisation now and the devices the tool calls unhealthy; None when there is no tool to ask.
+
+    Never raises for what the tool does: a timeout, a failure or output that is not the
+    table we know is the `failure`, with the tool's words.
+    """
+    tool = _tool(spec, environ)
+    if tool is None:
+        return None
+    try:
+        returncode, out, err = run_tool(tool.utilisation_argv, spec.preflight_tool_timeout_seconds,
+                                        env=dict(environ))
+    except ToolError as error:
+        return Utilisation(tool.label, {}, [], error.message)
+    try:
+        found, unhealthy = tool.parse_utilisation(out, err)
+    except Unparsable as error:
+        said = f"printed {error}"
+    else:
+        # Whatever the exit status: nvidia-smi exits 15 when a GPU is lost, after the rows of the others.
+        if found or unhealthy:
+            return Utilisation(tool.label, found, unhealthy)
+        said = "listed no device"
+    if returncode != 0:
+        said = f"exited {returncode}: " + (first_line(err + "\n" + out) or "no output")
+    return Utilisation(tool.label, {}, [], f"{tool.label} {said}")
+
+
+def tool_for(spec: Any, environ: Mapping[str, str]) -> Optional[str]:
+    """The tool `busy` and `utilisation` ask, as messages quote it; None when there is none to ask."""
+    tool = _tool(spec, environ)
+    return tool.label if tool is not None else None
 
 
 def _tool(spec: Any, environ: Mapping[str, str]) -> Optional[Tool]:
@@ -239,6 +301,121 @@ def parse_gpu(out: str) -> List[Holder]:
     return holders
 
 
-NPU_TOOL = Tool("npu-smi info", ("npu-smi", "info"), parse_npu)
+def parse_npu_utilisation(out: str, err: str = "") -> Readings:
+    """AICore(%) of each chip and the unhealthy NPUs, from the NPU table of `npu-smi info`.
+
+    An NPU is a row `| <npu> <name> | <Health> | ...` and the chip rows under it,
+    `| <chip> [<phy id>] | <Bus-Id> | <AICore(%)> <memory> ... |`: one chip on a 910B, several
+    under one NPU row on a 310P card, each chip under its own repeated NPU row on an Atlas A3.
+    Health and Bus-Id are found by their header cells; AICore(%) shares a cell with the memory
+    columns, so its value is the word under its title in the header.
+    """
+    lines = out.splitlines()
+    top = next((i for i, line in enumerate(lines) if "Health" in row_cells(line)), len(lines))
+    below = next((i for i in range(top + 1, len(lines)) if "Bus-Id" in row_cells(lines[i])), None)
+    if below is None:
+        raise Unparsable(f"no NPU table: {first_line(out) or 'no output'}")
+    health_at, bus_at = row_cells(lines[top]).index("Health"), row_cells(lines[below]).index("Bus-Id")
+    title_at = lines[below].find("AICore(%)")
+    if title_at < 0:
+        raise Unparsable(f"no AICore(%) column: {lines[below].strip()}")
+    title = (title_at, title_at + len("AICore(%)"))
+    npus: List[Tuple[str, str, List[str]]] = []  # (index, health, its chips' device names)
+    found: Dict[str, Optional[float]] = {}
+    for line in lines[below + 1:]:
+        cells = row_cells(line)
+        if "Process id" in cells:
+            break
+        if not cells:
+            continue
+        ids = cells[0].split()
+        if len(cells) <= max(health_at, bus_at) or not ids or not ids[0].isdigit():
+            raise Unparsable(f"an unexpected NPU row: {line.strip()}")
+        if _BUS_ID.fullmatch(cells[bus_at]):
+            if not npus:
+                raise Unparsable(f"a chip row before any NPU row: {line.strip()}")
+            device = f"NPU {npus[-1][0]}" + (f" chip {ids[0]}" if ids[0] != "0" else "")
+            found[device] = _reading(_word_under(title, line), line)
+            npus[-1][2].append(device)
+        elif len(ids) >= 2 and cells[health_at]:
+            npus.append((ids[0], cells[health_at], []))
+        else:
+            raise Unparsable(f"an unexpected NPU row: {line.strip()}")
+    return found, [_unwell(index, health, chips) for index, health, chips in npus if health not in (HEALTHY, MINOR)]
+
+
+def _word_under(span: Tuple[int, int], line: str) -> str:
+    """The word of `line` that stands (at least in part) under the header title at `span`."""
+    word = next((m for m in re.finditer(r"[^\s|]+", line) if m.start() < span[1] and m.end() > span[0]), None)
+    if word is None:
+        raise Unparsable(f"no AICore(%) value in: {line.strip()}")
+    return word[0]
+
+
+def _reading(value: str, line: str) -> Optional[float]:
+    if value in _NO_READING:
+        return None
+    match = _PERCENT.fullmatch(value)
+    if not match:
+        raise Unparsable(f"an unexpected utilisation {value!r} in: {line.strip()}")
+    return float(match[1])
+
+
+def _unwell(index: str, health: str, chips: List[str]) -> str:
+    # An NPU row over a single chip (910B, each A3 chip) is that chip's health; over several (310P), the card's.
+    device = chips[0] if len(chips) == 1 else f"NPU {index}"
+    return f"{device}: {health}"
+
+
+def parse_gpu_utilisation(out: str, err: str = "") -> Readings:
+    """`nvidia-smi --query-gpu=index,pci.bus_id,utilization.gpu --format=csv,noheader,nounits` rows.
+
+    `<index>, <bus id>, <percent>` per GPU; `[N/A]` or `[Not Supported]` where the card has
+    no value (MIG), another bracketed word (`[Unknown Error]`, `[GPU requires reset]`) where
+    it is in trouble. A GPU the driver lost prints `Unable to determine the device handle for
+    <GPU, bus id or both>: <reason>` instead of its row (on stdout or stderr, by driver).
+    """
+    found: Dict[str, Optional[float]] = {}
+    unhealthy = [_lost_gpu(line) for line in err.splitlines() if _LOST_GPU.search(line)]
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        if _LOST_GPU.search(line):
+            unhealthy.append(_lost_gpu(line))
+            continue
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) != 3 or not fields[0].isdigit() or not _BUS_ID.fullmatch(fields[1]):
+            raise Unparsable(f"an unexpected line: {line.strip()}")
+        device, value = f"GPU {fields[1]}", fields[2]
+        if value.startswith("[") and value not in _NO_READING:
+            unhealthy.append(f"{device}: {value.strip('[]')}")
+            value = ""
+        found[device] = _reading(value, line)
+    return found, list(dict.fromkeys(unhealthy))
+
+
+def _lost_gpu(line: str) -> str:
+    """A phrase naming the GPU of `Unable to determine the device handle for GPU3: 0000:04:00.0: Unknown Error`.
+
+    Drivers word it `GPU0000:04:00.0`, `GPU 0000:04:00.0`, `GPU3: 0000:04:00.0` or `GPU3` alone.
+    """
+    rest = _LOST_GPU.search(line)[1]
+    bus = _BUS_ID.search(rest)
+    index = re.match(r"GPU\s*(\d+)", rest, re.IGNORECASE)
+    if bus:
+        # Named as its row would be (pci.bus_id has an 8-digit domain), so messages agree.
+        domain, place = bus[0].split(":", 1)
+        device, reason = f"GPU {domain.zfill(8)}:{place}".upper(), rest[bus.end():]
+    elif index:
+        device, reason = f"GPU {index[1]}", rest[index.end():]
+    else:
+        device, reason = "a GPU", rest
+    reason = reason.strip(" :.")
+    return f"{device}: Unable to determine the device handle" + (f" ({reason})" if reason else "")
+
+
+NPU_TOOL = Tool("npu-smi info", ("npu-smi", "info"), parse_npu, ("npu-smi", "info"), parse_npu_utilisation)
 GPU_TOOL = Tool("nvidia-smi", ("nvidia-smi", "--query-compute-apps=pid,process_name,used_memory,gpu_bus_id",
-                               "--format=csv,noheader,nounits"), parse_gpu)
+                               "--format=csv,noheader,nounits"), parse_gpu,
+                ("nvidia-smi", "--query-gpu=index,pci.bus_id,utilization.gpu", "--format=csv,noheader,nounits"),
+                parse_gpu_utilisation)
