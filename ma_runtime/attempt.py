@@ -18,6 +18,11 @@ started again while the budget (`MA_RUNTIME_MAX_RESTARTS`) lasts, unless its exi
 failure came `MA_RUNTIME_SAME_FAILURE_LIMIT` times in a row (a deterministic bug must not burn the
 whole budget). Backoff: the first restart at once, then the base, doubling, up to `BACKOFF_CAP`
 (or the base, when that is larger).
+
+A hung attempt (the hang monitor stopped it) is the platform's "hang restart": started again at once, on a
+budget of its own (`MA_RUNTIME_HANG_RESTARTS` hung attempts in a row; one that made progress for a window
+before it hung starts the count again), and it spends none of `MA_RUNTIME_MAX_RESTARTS`. Used up: the job
+ends with the hung attempt's 83.
 """
 
 import dataclasses
@@ -52,6 +57,7 @@ class Decision:
     why: str = ""  # why not, when the job ends on a failure: the reason of an exit 82
     gave_up: bool = False  # the job ends with 82: restarts were on and did not help
     delay: float = 0.0  # backoff before the next attempt
+    left: int = 0  # restarts of this kind still allowed after this one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,34 +66,57 @@ class Policy:
     no_restart_codes: Sequence[int]
     same_failure_limit: int
     backoff: float
+    hang_restarts: int = 0
 
     @classmethod
     def of(cls, spec) -> "Policy":
         return cls(spec.max_restarts, tuple(spec.no_restart_exit_codes) + ALWAYS_FINAL, spec.same_failure_limit,
-                   spec.restart_backoff_seconds)
+                   spec.restart_backoff_seconds, spec.hang_restarts)
 
     def decide(self, attempt: Attempt, verdict, history: Sequence[Any], stop_requested: bool) -> Decision:
         """`history`: the verdicts of this runtime's attempts so far, the last one `verdict`."""
-        if verdict.state is not State.FAILED:
+        if verdict.state not in (State.FAILED, State.HUNG):
             return Decision(False)
         if stop_requested:
             return Decision(False, "a stop was requested")
+        if verdict.state is State.HUNG:
+            return self._after_hang(history)
         if self.max_restarts == 0:
             return Decision(False)  # restarts off: the command's own code, as without the runtime
         if verdict.exit_code in self.no_restart_codes:
             return Decision(False, f"exit code {verdict.exit_code} means do not restart")
         if self.same_failure_limit and _repeats(history) >= self.same_failure_limit:
             return Decision(False, f"the same failure {_repeats(history)} times in a row", gave_up=True)
-        if attempt.restarts >= self.max_restarts:
+        # Hang restarts have a budget of their own (the platform's: they "do not consume max restarts").
+        spent = attempt.restarts - sum(1 for earlier in history[:-1] if earlier.state is State.HUNG)
+        if spent >= self.max_restarts:
             return Decision(False, f"gave up after {attempt.restarts + 1} attempts: MA_RUNTIME_MAX_RESTARTS="
                                    f"{self.max_restarts} restart(s) spent", gave_up=True)
-        return Decision(True, delay=self.delay(attempt.restarts + 1))
+        return Decision(True, delay=self.delay(spent + 1), left=self.max_restarts - spent - 1)
+
+    def _after_hang(self, history: Sequence[Any]) -> Decision:
+        hung = _hangs_in_a_row(history)
+        if hung > self.hang_restarts:
+            return Decision(False, f"{hung} hung attempt(s) in a row: MA_RUNTIME_HANG_RESTARTS={self.hang_restarts}")
+        return Decision(True, left=self.hang_restarts - hung)
 
     def delay(self, restart: int) -> float:
         """Seconds before restart number `restart` (1, 2, ...)."""
         if restart <= 1 or self.backoff <= 0:
             return 0.0
         return min(self.backoff * 2 ** (restart - 2), max(BACKOFF_CAP, self.backoff))
+
+
+def _hangs_in_a_row(history: Sequence[Any]) -> int:
+    """Hung attempts at the end of `history`, back to (and with) the last one that had made progress."""
+    count = 0
+    for verdict in reversed(history):
+        if verdict.state is not State.HUNG:
+            break
+        count += 1
+        if verdict.progressed:
+            break
+    return count
 
 
 def _repeats(history: Sequence[Any]) -> int:

@@ -41,13 +41,14 @@ from ma_runtime.redact import Masker
 from ma_runtime.stagein import Staged, code_dir, stage_in
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, become_subreaper, is_pid1
-from ma_runtime.supervise.supervisor import Outcome, Supervisor
+from ma_runtime.supervise.supervisor import Outcome, State, Supervisor
 from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, descendants, processes, spawn, sweep
 
 # The resolved settings that have a platform name are exported to the command
-# under that name, so it sees the same job the runtime saw (MA_PROC_START_CNT: the attempt's number).
+# under that name, so it sees the same job the runtime saw (MA_PROC_START_CNT: the attempt's number);
+# and the progress file, so that the training knows what to touch however the setting was given.
 _EXPORTED = ("ma_home", "mount_path", "job_dir", "log_dir", "task_name", "task_index", "num_hosts", "num_gpus",
-             "schedule_cnt", "vj_name")
+             "schedule_cnt", "vj_name", "hang_progress_file")
 # How long a wait on the signal queue lasts at most (a wake-up lost would cost no more).
 _TICK = 1.0
 # The files a final sync missed, one log line each, up to this many (the termination message lists them too).
@@ -351,20 +352,22 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
     policy = attempt_module.Policy.of(spec)
     history: List[verdict_module.Verdict] = []
     when = "before the command started"
+    hangs = _hang_config(spec, log)
     while True:
         # In the stage thread: msrun's plan may wait for worker-0's name to resolve.
         plan = context.wait_for(functools.partial(_plan, spec, command, prepared, attempt), when)
         context.attempt = attempt
         _record_quietly(spec, attempt)
         context.start_uploader()
-        outcome = _launch(spec, plan, attempt, context, prepared)
+        outcome = _launch(spec, plan, attempt, context, prepared, hangs)
         verdict = _verdict(outcome, plan, attempt)
         history.append(verdict)
         decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
         if not decision.restart:
             return _finish(verdict, decision, history, attempt, context, outcome.stop_requested_at)
         log.info("restarting command", attempt=attempt.number + 1, reason=verdict.reason,
-                 restarts_left=policy.max_restarts - attempt.restarts - 1, backoff_s=decision.delay)
+                 **{"hang_restarts_left" if verdict.state is State.HUNG else "restarts_left": decision.left},
+                 backoff_s=decision.delay)
         when = f"between attempts {attempt.number} and {attempt.number + 1}"
         context.wait_for(functools.partial(_between_attempts, spec, decision.delay, log), when)
         prepared = context.wait_for(functools.partial(_refresh, spec, prepared, log), when)
@@ -406,13 +409,50 @@ def _refresh(spec: spec_module.JobSpec, prepared: _Prepared, log, _stopped: thre
         prepared.staged, env={**prepared.staged.env, **rank_table.env}), rank_table=rank_table)
 
 
+def _hang_config(spec: spec_module.JobSpec, log):
+    """The run's hang detection (None: off)."""
+    from ma_runtime.supervise import hang
+
+    return hang.configure(spec, os.environ, log)
+
+
+class _Watch:
+    """One attempt's hang monitor, and what the workers need for it: the stack-dump registration in their
+    environment, the progress pattern among their output's destinations."""
+
+    def __init__(self, spec: spec_module.JobSpec, config, attempt, log):
+        from ma_runtime.supervise import devices, hang, stacks
+
+        self.stacks = stacks
+        self.registry: Optional[Path] = None
+        if config.stacks:
+            try:
+                self.registry = stacks.registry_dir(spec.state_dir, attempt.run_id, attempt.number)
+            except OSError as exc:  # a read-only state folder costs the stacks, not the job
+                log.warning("no stacks for a hung attempt: cannot create the stack-dump folder",
+                            path=str(spec.state_dir / "stacks"), error=exc.strerror or str(exc))
+        out_dir = spec.log_dir / f"{spec.log_stem}-stacks" / f"attempt-{attempt.number}"
+        where = functools.partial(stacks.dump, self.registry, out_dir, log=log) if self.registry else None
+        self.monitor = hang.Monitor(config, functools.partial(devices.utilisation, spec, os.environ), log, where)
+        sink = self.monitor.sink()
+        self.sinks = [sink] if sink is not None else []
+
+    def env(self, base: Mapping[str, str]) -> Dict[str, str]:
+        return self.stacks.worker_env(self.registry, base) if self.registry is not None else {}
+
+    def close(self) -> None:
+        if self.registry is not None:
+            self.stacks.clean(self.registry)
+
+
 def _launch(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context: _Context,
-            prepared: _Prepared) -> Outcome:
+            prepared: _Prepared, hangs=None) -> Outcome:
     """One attempt: spawn every planned worker and supervise them until all have exited and nothing is left."""
     log = logs.get_logger()
     launcher = registry.launcher(plan.method)
     follower = None
     opened: List[Sink] = []  # the attempt's proc logs
+    watch = _Watch(spec, hangs, attempt, log) if hangs is not None else None
     try:
         # Logged before the spawn, so that it precedes the command's output everywhere.
         log.info(
@@ -427,11 +467,17 @@ def _launch(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context:
             task_log=str(spec.task_log_path),
         )
         base_env = {**_worker_env(spec, context.run_id, attempt.number), **prepared.staged.env}
-        follower = _follow_rank_logs(launcher.rank_logs(plan), context)
-        workers = _spawn_all(plan, base_env, context, attempt, opened)
+        extra = watch.sinks if watch is not None else []
+        if watch is not None:
+            base_env.update(watch.env(base_env))
+        follower = _follow_rank_logs(launcher.rank_logs(plan), context, extra)
+        workers = _spawn_all(plan, base_env, context, attempt, opened, extra)
         return Supervisor(workers if len(workers) > 1 else workers[0], context.signals, spec.stop_grace_seconds,
-                          log, guard=context.guard, forwards=launcher.forwards_to).run()
+                          log, guard=context.guard, forwards=launcher.forwards_to,
+                          hangs=watch.monitor if watch is not None else None).run()
     finally:
+        if watch is not None:
+            watch.close()
         if follower is not None:
             follower.stop()
         for sink in opened:
@@ -492,10 +538,11 @@ def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_mod
     return context.sync_at_end(fields, stop_requested_at)
 
 
-def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, opened: List[Sink]) -> List[Worker]:
+def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, opened: List[Sink],
+               extra_sinks: Sequence[Sink] = ()) -> List[Worker]:
     """One process per planned worker; several get a rank prefix on the console and in the task log, and a
     proc log of their own with their raw lines (`opened`, for the caller to close). Each holds the guard's
-    mark (`guard.pass_fds`)."""
+    mark (`guard.pass_fds`). `extra_sinks` get every worker's raw output too (the progress pattern)."""
     guard = context.guard
     several = len(plan.workers) > 1
     # One Sink object per destination, shared by every worker: its lock keeps lines whole across ranks.
@@ -505,8 +552,9 @@ def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, op
     try:
         for planned in plan.workers:
             proc_log = _proc_log(planned, attempt)
-            extra = [proc_log] if proc_log else []
-            opened.extend(extra)
+            own = [proc_log] if proc_log else []
+            opened.extend(own)
+            extra = [*own, *extra_sinks]
             workers.append(spawn(
                 planned.argv,
                 {**base_env, **planned.env},
@@ -524,14 +572,14 @@ def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, op
     return workers
 
 
-def _follow_rank_logs(folder: Optional[str], context: _Context):
+def _follow_rank_logs(folder: Optional[str], context: _Context, extra_sinks: Sequence[Sink] = ()):
     """A launcher that writes each rank's output to a file only (msrun): follow those onto the console and
-    the task log."""
+    the task log (and `extra_sinks`: the progress pattern)."""
     if not folder:
         return None
     from ma_runtime.supervise.follow import LogFollower
 
-    follower = LogFollower(Path(folder), [Sink(1, "<stdout>"), context.task_log])
+    follower = LogFollower(Path(folder), [Sink(1, "<stdout>"), context.task_log, *extra_sinks])
     follower.start()
     return follower
 

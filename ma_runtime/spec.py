@@ -144,6 +144,18 @@ def _globs(text: str) -> Tuple[str, ...]:
     return patterns
 
 
+def _regex(text: str) -> str:
+    """A regular expression (Python's syntax), compiled once here so that a bad one is a 78, not a surprise later."""
+    pattern = str(text)
+    if not pattern.strip() or len(pattern) > 1000:
+        raise BadValue("must be a regular expression of 1 to 1000 characters")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise BadValue(f"is not a valid regular expression: {exc}") from None
+    return pattern
+
+
 def _url(text: str) -> str:
     from ma_runtime.storage import url as storage_url  # obs://, s3://, file:// or a path
 
@@ -218,6 +230,27 @@ SETTINGS: Tuple[Setting, ...] = (
             "second restart, doubling for each one after, up to 60 s", 1.0),
     Setting("device_release_seconds", "MA_RUNTIME_DEVICE_RELEASE_SECONDS", _number(0, 3600), "how long to wait "
             "for the accelerators to be released before a restart", 60.0),
+    *(
+        Setting(f"hang_{name}", env, parse, help, default, cli=False)
+        for name, env, parse, help, default in (
+            ("detect", "MA_RUNTIME_HANG_DETECT", _choice(("auto", "on", "off")), "hang detection: auto (on when the "
+             "job has accelerators), on (also a CPU job: the IO/CPU rule alone), off", "auto"),
+            ("detect_time", "MA_HANG_DETECT_TIME", _integer(10, 720), "the platform's hang window in minutes: no "
+             "progress for this long is a hang", 30),
+            ("detect_seconds", "MA_RUNTIME_HANG_DETECT_SECONDS", _number(5, 720 * 60), "the hang window in seconds, "
+             "instead of MA_HANG_DETECT_TIME", None),
+            ("startup_seconds", "MA_RUNTIME_HANG_STARTUP_SECONDS", _seconds, "the window before an attempt's first "
+             "progress (warm-up, compilation, data loading); default: twice the hang window", None),
+            ("restarts", "MA_RUNTIME_HANG_RESTARTS", _integer(0, 128), "hung attempts restarted in a row before the "
+             "job ends with 83 (0: none)", 3),
+            ("stacks", "MA_RUNTIME_HANG_STACKS", _switch, "Python workers register a faulthandler stack dump, taken "
+             "before a hung attempt is stopped", True),
+            ("progress_file", "MA_RUNTIME_PROGRESS_FILE", _path, "a file the training touches as it makes "
+             "progress: its mtime resets the hang clock", None),
+            ("progress_pattern", "MA_RUNTIME_PROGRESS_PATTERN", _regex, "a regular expression: an output line "
+             "matching it resets the hang clock", None),
+        )
+    ),
     Setting("log_format", "MA_RUNTIME_LOG_FORMAT", _choice(LOG_FORMATS), "logfmt or json", "logfmt"),
     Setting("log_level", "MA_RUNTIME_LOG_LEVEL", _choice(LOG_LEVELS), "debug, info, warning or error", "info"),
     *(
@@ -317,7 +350,7 @@ parse_seconds = _seconds
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters", "inputs", "outputs")
 # Job-file sections whose keys are settings named `<section>_<key>`.
-FILE_SECTIONS = ("preflight", "storage", "code", "ranktable", "sync")
+FILE_SECTIONS = ("preflight", "storage", "code", "ranktable", "sync", "hang")
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
 
 
@@ -341,6 +374,14 @@ class JobSpec:
     same_failure_limit: int
     restart_backoff_seconds: float
     device_release_seconds: float
+    hang_detect: str
+    hang_detect_time: int
+    hang_detect_seconds: Optional[float]
+    hang_startup_seconds: Optional[float]
+    hang_restarts: int
+    hang_stacks: bool
+    hang_progress_file: Optional[Path]
+    hang_progress_pattern: Optional[str]
     log_format: str
     log_level: str
     preflight: bool
@@ -410,6 +451,11 @@ class JobSpec:
         """Whether anything is synced (outputs not `sync: false`, or a log URL): a job that syncs nothing does not
         even import the sync."""
         return bool(self.log_url) or any(channel.sync for channel in self.outputs)
+
+    @property
+    def hang_window_seconds(self) -> float:
+        """No progress for this long is a hang: MA_RUNTIME_HANG_DETECT_SECONDS, else MA_HANG_DETECT_TIME minutes."""
+        return self.hang_detect_seconds if self.hang_detect_seconds is not None else self.hang_detect_time * 60.0
 
     @property
     def waits_for_rank_table(self) -> bool:

@@ -7,6 +7,9 @@ One attempt's verdict comes from its `Outcome` (supervise/supervisor.py) and the
   code (a handler that saved and exited 7 gives 7).
 - FAILED: the status of the worker that failed first; for a launcher that names a root cause in its
   output (torchrun exits 1 whatever its ranks did), that rank and its status.
+- HUNG: 83, `job suspected hung: <evidence>; <where the stacks say the ranks are>`; category user unless
+  the accelerator tool reported a device lost or unhealthy, or could read none (infrastructure); the rank
+  when the stacks found exactly one odd one out.
 
 The job's verdict is the last attempt's, unless the runtime gave up restarting (`gave_up`, exit 82).
 """
@@ -37,6 +40,7 @@ class Verdict:
     hint: str = ""
     tail: Sequence[str] = ()
     duration: float = 0.0
+    progressed: bool = False  # HUNG: it made progress for a window first, so the count of hangs in a row starts over
 
     @property
     def failure_key(self) -> tuple:
@@ -53,6 +57,8 @@ def of(outcome: Outcome, plan=None, root_cause: Optional[RootCauseOf] = None, ow
        ) -> Verdict:
     """`root_cause` and `own_code_after_stop`: the launcher's (launch/<method>.py)."""
     worker = outcome.worker
+    if outcome.state is State.HUNG:
+        return _hung(outcome)
     rank, returncode, exit_code = _failed_rank(outcome, plan, root_cause)
     if outcome.stop_signal is not None and not own_code_after_stop:
         exit_code = 128 + outcome.stop_signal  # the launcher's own code after a stop says nothing of the command
@@ -63,6 +69,22 @@ def of(outcome: Outcome, plan=None, root_cause: Optional[RootCauseOf] = None, ow
         reason = f"rank {rank} failed first: {reason}"
     return Verdict(outcome.state, exit_code, returncode, rank, stop or death, reason, category, hint,
                    tail(worker) if worker is not None else (), outcome.duration)
+
+
+def _hung(outcome: Outcome) -> Verdict:
+    hang = outcome.hang
+    if hang.device_fault:
+        category = Category.INFRASTRUCTURE.value
+        hint = f"the accelerator tool reported a device fault while the job hung ({hang.device_fault}): drain the " \
+               "node and reschedule the job"
+    else:
+        category = Category.USER.value
+        hint = "see where each rank was stuck (the stacks above and in the log directory): the odd one out is " \
+               "usually the cause; a progress signal (MA_RUNTIME_PROGRESS_FILE, MA_RUNTIME_PROGRESS_PATTERN) or a " \
+               "longer MA_HANG_DETECT_TIME avoids false alarms"
+    return Verdict(State.HUNG, int(ExitCode.HANG_DETECTED), outcome.returncode, hang.rank, None, hang.describe(),
+                   category, hint, tail(outcome.worker) if outcome.worker is not None else (), outcome.duration,
+                   hang.progressed)
 
 
 def gave_up(last: Verdict, why: str) -> Verdict:

@@ -23,10 +23,10 @@ import enum
 import os
 import signal
 import time
-from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 from ma_runtime import children
-from ma_runtime.errors import exit_code_of_status
+from ma_runtime.errors import ExitCode, exit_code_of_status
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
 from ma_runtime.supervise.worker import SIGNAL_NAMES, Proc, Worker, descendants, kill_all, processes, sweep
 
@@ -49,7 +49,7 @@ class State(enum.Enum):
     SUCCEEDED = "succeeded"  # every worker exited 0
     FAILED = "failed"  # a worker exited non-zero or died of a signal, nobody having asked it to stop
     STOPPED = "stopped"  # a stop was requested (SIGTERM/SIGINT) and the workers ended
-    HUNG = "hung"  # reserved: the hang monitor (a later issue) stopped them
+    HUNG = "hung"  # the hang monitor (supervise/hang.py) found them stuck, and they were stopped
 
 
 # Which processes a launcher signals itself when it gets a stop (launch/<method>.forwards_to): given
@@ -76,11 +76,14 @@ class Outcome:
     workers_stopped: int = 0  # how many others we stopped because it failed
     # When the stop was requested (time.monotonic()), for what must still happen within the platform's grace.
     stop_requested_at: Optional[float] = None
+    hang: Any = None  # a hang.Hang: the monitor found the attempt stuck and the supervisor stopped it
 
     @property
     def state(self) -> State:
         if self.stop_signal is not None:
             return State.STOPPED
+        if self.hang is not None:
+            return State.HUNG
         return State.SUCCEEDED if self.exit_code == 0 else State.FAILED
 
 
@@ -91,6 +94,7 @@ class _Stop:
     signal: Optional[int] = None  # a stop requested by a signal
     requested_at: Optional[float] = None
     failed: Optional[Worker] = None  # a stop started by a worker's failure
+    hang: Any = None  # a stop started by the hang monitor (a hang.Hang)
     stopped: int = 0
     deadline: Optional[float] = None
     forced: bool = False
@@ -99,7 +103,7 @@ class _Stop:
 
     @property
     def under_way(self) -> bool:
-        return self.signal is not None or self.failed is not None
+        return self.signal is not None or self.failed is not None or self.hang is not None
 
 
 class Supervisor:
@@ -112,6 +116,7 @@ class Supervisor:
         exclude: Sequence[int] = (),
         guard=None,  # a guard.Guard: told the workers' pipes and the tree as it grows
         forwards: Forwards = _forwards_nothing,
+        hangs=None,  # a hang.Monitor for this attempt, or None: hang detection off
     ):
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:
@@ -124,6 +129,7 @@ class Supervisor:
         self.exclude = children.NotTheCommand((*exclude, *((guard.pid,) if guard is not None else ())))
         self.guard = guard
         self.forwards = forwards
+        self.hangs = hangs
         self._me = os.getpid()
         self._next_record = 0.0
         # pid -> start time of every process a stop signal reached (the pid alone could be reused).
@@ -134,15 +140,22 @@ class Supervisor:
         stop = _Stop()
         if self.guard is not None:
             self.guard.watch_pipes(inode for worker in self.workers for inode in worker.pipe_inodes)
-        while self._live():
-            self._record_tree()
-            # Each signal once per wake-up, as the kernel merges a pending one: a flood of SIGHUPs costs a
-            # forward and a log line per turn, not per signal.
-            for signum in dict.fromkeys(self.signals.wait(self._timeout(stop))):
-                self._on_signal(stop, signum)
-            for worker in self._reap():
-                self._on_exit(stop, worker)
-            self._escalate(stop)
+        if self.hangs is not None:
+            self.hangs.start(self._tree, self.signals.wake)
+        try:
+            while self._live():
+                self._record_tree()
+                # Each signal once per wake-up, as the kernel merges a pending one: a flood of SIGHUPs costs a
+                # forward and a log line per turn, not per signal.
+                for signum in dict.fromkeys(self.signals.wait(self._timeout(stop))):
+                    self._on_signal(stop, signum)
+                for worker in self._reap():
+                    self._on_exit(stop, worker)
+                self._check_hang(stop)
+                self._escalate(stop)
+        finally:
+            if self.hangs is not None:
+                self.hangs.stop()
         leftovers = self._stop_leftovers(stop)
         self._join_output()
         return self._outcome(stop, leftovers, time.monotonic() - started)
@@ -200,6 +213,21 @@ class Supervisor:
         self._stop_all(signal.SIGTERM)
         stop.deadline = time.monotonic() + self.grace_seconds
 
+    def _check_hang(self, stop: _Stop) -> None:
+        """A hang the monitor found: show where each rank is stuck, then stop the attempt as in a failure."""
+        hang = self.hangs.found() if self.hangs is not None and not stop.under_way else None
+        if hang is None:
+            return
+        self.log.error("job suspected hung", evidence=hang.evidence, device_fault=hang.device_fault,
+                       **self._pids(self._live()))
+        table = processes()
+        self.hangs.show_where(hang, {worker.name: [worker.pid, *descendants(worker.pid, self.exclude, table)]
+                                     for worker in self._live()})
+        stop.hang = hang
+        self.log.warning("stopping the hung attempt", grace_seconds=self.grace_seconds)
+        self._stop_all(signal.SIGTERM)
+        stop.deadline = time.monotonic() + self.grace_seconds
+
     def _escalate(self, stop: _Stop) -> None:
         """SIGKILL after the grace period; give up on what even SIGKILL cannot end."""
         live = self._live()
@@ -227,6 +255,8 @@ class Supervisor:
         if stop.forced and stop.signal is not None:
             # The stop request, not our SIGKILL, is why the command ended.
             code = 128 + stop.signal
+        elif stop.hang is not None and stop.signal is None:
+            code = int(ExitCode.HANG_DETECTED)  # whatever the stop made the workers exit with
         return Outcome(
             decider.returncode,
             code,
@@ -238,6 +268,7 @@ class Supervisor:
             failed_worker=stop.failed.name if stop.failed else None,
             workers_stopped=stop.stopped,
             stop_requested_at=stop.requested_at,
+            hang=stop.hang,
         )
 
     def _pids(self, workers: Optional[Sequence[Worker]] = None) -> dict:

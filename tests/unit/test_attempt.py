@@ -124,3 +124,51 @@ def test_the_record_names_the_pod(spec):
     document = json.loads(attempt_module.record_path(spec).read_text())
     assert document == {"pod": {"vj_name": "ma-job-1", "task_name": "worker", "task_index": 2, "schedule_cnt": 1},
                         "attempt": 4, "first": 3, "run_id": "run", "finished": False}
+
+
+# --------------------------------------------------------------------------- hang restarts (issue 13)
+
+
+def hung(progressed=False):
+    return types.SimpleNamespace(state=State.HUNG, exit_code=83, progressed=progressed,
+                                 failure_key=(83, None, None, ""))
+
+
+HANGS = Policy(max_restarts=0, no_restart_codes=(93, 78), same_failure_limit=3, backoff=1.0, hang_restarts=3)
+
+
+def test_hung_attempts_restart_at_once_three_times_in_a_row_then_the_job_ends_with_their_83():
+    history = []
+    for number in range(1, 5):
+        history.append(hung())
+        decision = HANGS.decide(Attempt(number, "r", 1), history[-1], history, False)
+        if number <= 3:
+            assert decision.restart and decision.delay == 0 and decision.left == 3 - number, number
+    assert not decision.restart and not decision.gave_up  # 83 stays: the job hung, restarts did not help
+    assert "4 hung attempt(s) in a row: MA_RUNTIME_HANG_RESTARTS=3" in decision.why
+
+
+def test_an_attempt_that_made_progress_before_it_hung_starts_the_count_again():
+    history = [hung(), hung(), hung(progressed=True), hung(), hung()]
+    decision = HANGS.decide(Attempt(5, "r", 1), history[-1], history, False)
+    assert decision.restart and decision.left == 0  # 3 in a row, counting the one that progressed
+
+
+def test_a_failure_breaks_the_run_of_hangs_and_hang_restarts_spend_no_failure_restarts():
+    policy = Policy(max_restarts=1, no_restart_codes=(93, 78), same_failure_limit=3, backoff=1.0, hang_restarts=1)
+    history = [hung(), verdict(line="a")]
+    # Attempt 2 is the first failure: one restart spent of one, though this is the runtime's second restart.
+    assert policy.decide(Attempt(2, "r", 1), history[-1], history, False).restart
+    history += [hung()]
+    assert policy.decide(Attempt(3, "r", 1), history[-1], history, False).restart  # one hang in a row
+    history += [verdict(line="b")]
+    decision = policy.decide(Attempt(4, "r", 1), history[-1], history, False)
+    assert decision.gave_up  # the second failure: the one failure restart is spent
+
+
+def test_hang_restarts_off_end_the_job_at_the_first_hang_and_a_stop_request_wins():
+    off = Policy(0, (93, 78), 3, 1.0, hang_restarts=0)
+    history = [hung()]
+    assert not off.decide(Attempt(1, "r", 1), history[-1], history, False).restart
+    decision = HANGS.decide(Attempt(1, "r", 1), history[-1], history, stop_requested=True)
+    assert not decision.restart and decision.why == "a stop was requested"

@@ -128,3 +128,35 @@ def test_two_failures_are_the_same_by_code_rank_and_last_line():
     assert failed().failure_key != failed(code=6).failure_key
     assert failed().failure_key != failed(rank="rank-0").failure_key
     assert failed().failure_key != failed(line="ValueError: other").failure_key
+
+
+# --------------------------------------------------------------------------- a hung attempt (issue 13)
+
+
+def a_hang(device_fault=None, odd=(), progressed=False):
+    from ma_runtime.supervise.hang import Hang
+
+    stacks = types.SimpleNamespace(odd=list(odd), describe=lambda: "rank 3 is elsewhere (t.py:9 in load)")
+    return Hang("no IO and at most 0.01 CPU cores for 600 s", device_fault, progressed, 1.0, stacks)
+
+
+@pytest.mark.parametrize("odd, rank", [(["rank 3"], 3), (["rank 3", "rank 5"], None), ([], None)])
+def test_a_hung_attempt_is_83_suspected_hung_with_where_it_was_and_the_odd_rank(odd, rank):
+    outcome = Outcome(returncode=-15, exit_code=83, worker=a_worker("rank-0"), hang=a_hang(odd=odd))
+    found = verdict.of(outcome, rtf_plan(8))
+    assert (found.state, found.exit_code, found.category, found.rank) == (State.HUNG, 83, "user", rank)
+    assert found.reason == "job suspected hung: no IO and at most 0.01 CPU cores for 600 s; rank 3 is elsewhere " \
+                           "(t.py:9 in load)"
+    assert found.signal is None and not found.progressed
+
+
+def test_a_hang_with_a_device_fault_is_the_infrastructures():
+    outcome = Outcome(returncode=-15, exit_code=83, worker=a_worker(), hang=a_hang("nvidia-smi: GPU 2: lost", (),
+                                                                                    True))
+    found = verdict.of(outcome, PLAIN)
+    assert found.category == "infrastructure" and "GPU 2: lost" in found.hint and found.progressed
+
+
+def test_a_stop_request_during_a_hang_stop_is_still_a_hang_a_stop_before_it_a_stop():
+    assert Outcome(returncode=-15, exit_code=83, hang=a_hang()).state is State.HUNG
+    assert Outcome(returncode=-15, exit_code=143, stop_signal=15, hang=a_hang()).state is State.STOPPED

@@ -1,0 +1,410 @@
+"""Hang detection: find a stuck attempt from outside, without the training code's help.
+
+The platform's rule (docs/platform.md, D31): no process IO change for several periods, then accelerator
+utilisation flat over a window, judged by its median and variance, over `MA_HANG_DETECT_TIME` minutes; and
+every instance using less than one CPU core. Here, one `Monitor` per attempt samples, in a thread of its own
+at a fixed period (a fifth of the window, at most a minute):
+
+- the worker tree, re-discovered each period (every descendant, the runtime's own tools and helpers left
+  out), with psutil: each process's read/write syscalls and characters (/proc/<pid>/io: pipes and sockets
+  count, so a gloo collective or a log line is IO) and its CPU time. An interval is *active* when a counter
+  moved, a process came or went, or the tree used a core or more (`BUSY_CORES`);
+- the accelerators of this container (`devices.utilisation`: npu-smi's AICore %, nvidia-smi's GPU util %).
+  They are *flat* over the window when every device's samples spread by at most `FLAT_STDDEV` points.
+
+Hang = no active interval for the window, and the accelerators flat over it (a CPU job forced on with
+MA_RUNTIME_HANG_DETECT=on has only the first half). With a progress signal (MA_RUNTIME_PROGRESS_FILE's
+mtime, a line matching MA_RUNTIME_PROGRESS_PATTERN) the signal alone decides: progress resets the clock
+whatever the metrics say, and none for the window is a hang even while busy-polling collectives keep the
+devices and a core busy (NCCL's busy-polling is why utilisation alone misses a hung collective).
+
+Fewer false alarms than the anchors: before an attempt's first progress (the signal's first beat, or,
+without one, the first sample where an accelerator is busy, above `IDLE_PERCENT`; a CPU-only job: the first
+interval using a core) the window is MA_RUNTIME_HANG_STARTUP_SECONDS (default twice the window): warm-up,
+compilation and data loading are not hangs. The check that would declare a hang runs at its deadline, not
+on the next period's grid, so a hang is found within the window plus one period.
+
+The thread only reads /proc and runs the accelerator tool (through `run_tool`, owned: the reaping loop
+leaves it alone, and the tree walk leaves it out); finding a hang, it wakes the supervision loop, which
+takes the stacks (`show_where`) and stops the attempt as in a failure.
+"""
+
+import dataclasses
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ma_runtime.output import Sink
+
+PERIODS_PER_WINDOW = 5
+PERIOD_CAP = 60.0
+# Checks closer together than this cost CPU without finding anything sooner.
+MIN_WAIT = 0.2
+# A tree using this many cores is working (the platform's all-instance rule: "< 1 CPU core" is a hang).
+BUSY_CORES = 1.0
+# Accelerator utilisation that spreads by no more than this (standard deviation, percentage points) over the
+# window is flat; a device above IDLE_PERCENT is busy (its first busy sample is the attempt's first progress).
+FLAT_STDDEV = 2.0
+IDLE_PERCENT = 10.0
+# Fewer samples than this over the window say nothing about flatness (the first period of a short window).
+MIN_SAMPLES = 3
+
+_Counters = Tuple[int, int, int, int]  # read and write syscalls, read and write characters
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The run's hang settings, decided once (`configure`)."""
+
+    window: float
+    startup: float
+    period: float
+    restarts: int
+    stacks: bool
+    tool: Optional[str]  # the accelerator tool asked ("npu-smi info", "nvidia-smi"), None: the IO/CPU rule alone
+    progress_file: Optional[Path] = None
+    progress_pattern: Optional[str] = None
+
+    @property
+    def signalled(self) -> bool:
+        """Whether a progress signal, not the metrics, decides."""
+        return self.progress_file is not None or self.progress_pattern is not None
+
+
+def configure(spec: Any, environ: Mapping[str, str], log) -> Optional[Config]:
+    """The run's hang detection, or None when it is off; says which in one line."""
+    from ma_runtime.preflight import accelerator  # the preflight's, loaded already
+
+    window = spec.hang_window_seconds
+    if spec.hang_detect == "off":
+        log.info("hang detection off", reason="MA_RUNTIME_HANG_DETECT=off")
+        return None
+    # A CPU job (the common case on a laptop) is decided without loading the device tools' readers.
+    cpu_job = accelerator.choose(spec, environ).flavour is None
+    tool = None
+    if not cpu_job:
+        from ma_runtime.supervise import devices
+
+        tool = devices.tool_for(spec, environ)
+    if tool is None and spec.hang_detect == "auto":
+        log.info("hang detection off", reason="no accelerator: the platform detects hangs of GPU and NPU jobs only; "
+                                              "MA_RUNTIME_HANG_DETECT=on checks a CPU job's IO and CPU")
+        return None
+    config = Config(
+        window=window,
+        startup=max(window, spec.hang_startup_seconds if spec.hang_startup_seconds is not None else 2 * window),
+        period=min(PERIOD_CAP, window / PERIODS_PER_WINDOW),
+        restarts=spec.hang_restarts,
+        stacks=spec.hang_stacks,
+        tool=tool,
+        progress_file=spec.hang_progress_file,
+        progress_pattern=spec.hang_progress_pattern,
+    )
+    log.info("hang detection on", window_s=window, period_s=round(config.period, 3), startup_s=config.startup,
+             accelerators=tool or "none", progress=_progress_source(config), restarts=config.restarts)
+    return config
+
+
+def _progress_source(config: Config) -> str:
+    if config.progress_file is not None:
+        return f"file {config.progress_file}"
+    if config.progress_pattern is not None:
+        return "output pattern"
+    return "metrics"
+
+
+@dataclasses.dataclass
+class Hang:
+    """What the monitor found."""
+
+    evidence: str  # why it is a hang, one clause: "no IO and 0.01 CPU cores for 600 s; accelerators flat (...)"
+    device_fault: Optional[str]  # the accelerator tool reported a device lost or unhealthy, or could not read any
+    progressed: bool  # the attempt made progress for at least a window before it hung: the hang count starts over
+    found_at: float  # time.monotonic()
+    stacks: Any = None  # a stacks.Stacks, once taken
+
+    @property
+    def rank(self) -> Optional[int]:
+        """The one rank in a different place from the others, when the stacks found exactly one."""
+        odd = getattr(self.stacks, "odd", None) or []
+        match = re.fullmatch(r"rank (\d+)", odd[0]) if len(odd) == 1 else None
+        return int(match[1]) if match else None
+
+    def describe(self) -> str:
+        where = self.stacks.describe() if self.stacks is not None else ""
+        return f"job suspected hung: {self.evidence}" + (f"; {where}" if where else "")
+
+
+class ProgressSink(Sink):
+    """A destination of the workers' output that writes nothing: a line matching the pattern is progress."""
+
+    def __init__(self, pattern: str, on_progress: Callable[[], None]):
+        super().__init__(-1, "progress pattern", console=False)
+        # Lines: a chunk is whole lines, and a progress bar's `\r` ends one too.
+        self.pattern = re.compile(pattern, re.MULTILINE)
+        self.on_progress = on_progress
+
+    @property
+    def broken(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        if self.pattern.search(data.decode("utf-8", "replace").replace("\r", "\n")):
+            self.on_progress()
+
+
+class _Tree:
+    """The worker tree's counters at one moment: {(pid, start time): (IO counters, CPU seconds)}."""
+
+    def __init__(self, members: Callable[[], Sequence[int]]):
+        import psutil  # only a job with hang detection on pays its import
+
+        self._psutil = psutil
+        self.members = members
+        self._known: Dict[int, Any] = {}  # pid -> psutil.Process: its start time tells a reused pid apart
+
+    def sample(self) -> Dict[Tuple[int, float], Tuple[_Counters, float]]:
+        sample = {}
+        known: Dict[int, Any] = {}
+        for pid in self.members():
+            try:
+                proc = self._process(pid)
+                io, cpu = proc.io_counters(), proc.cpu_times()
+            except self._psutil.Error:
+                continue  # gone (or a zombie) since the walk: the next sample sees the tree without it
+            known[pid] = proc
+            sample[pid, proc.create_time()] = ((io.read_count, io.write_count, io.read_chars, io.write_chars),
+                                               cpu.user + cpu.system)
+        self._known = known
+        return sample
+
+    def _process(self, pid: int):
+        proc = self._known.get(pid)
+        if proc is None or not proc.is_running():  # is_running compares the start time: a reused pid is new
+            proc = self._psutil.Process(pid)
+        return proc
+
+
+def activity(before: Mapping, after: Mapping, seconds: float) -> Tuple[bool, float]:
+    """(whether the tree was active between two samples, the cores it used)."""
+    common = before.keys() & after.keys()
+    cores = sum(max(0.0, after[key][1] - before[key][1]) for key in common) / max(seconds, 1e-6)
+    moved = before.keys() != after.keys() or any(before[key][0] != after[key][0] for key in common)
+    return moved or cores >= BUSY_CORES, cores
+
+
+def flat(samples: Sequence[Mapping[str, Optional[float]]]) -> Optional[Tuple[float, float]]:
+    """(median, largest spread) of the devices' utilisation when every device is flat over `samples`, else None.
+    A device with no value in any sample (N/A) has nothing to say."""
+    import statistics  # a few milliseconds of import that a job without hang detection does not pay
+
+    medians, spreads = [], []
+    for device in set().union(*samples) if samples else ():
+        values = [s[device] for s in samples if s.get(device) is not None]
+        if len(values) < MIN_SAMPLES:
+            continue
+        spread = statistics.pstdev(values)
+        if spread > FLAT_STDDEV:
+            return None
+        medians.append(statistics.median(values))
+        spreads.append(spread)
+    if not medians:
+        return 0.0, 0.0
+    return statistics.median(medians), max(spreads)
+
+
+class Monitor:
+    """One attempt's hang detection: `start`, then the supervision loop asks `found()` each turn."""
+
+    def __init__(self, config: Config, utilisation: Callable[[], Any], log, where: Optional[Callable] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.utilisation = utilisation  # () -> devices.Utilisation or None
+        self.where = where  # {worker name: its pids} -> stacks.Stacks: takes the stacks (None: stacks off)
+        self.log = log
+        self.clock = clock
+        self.started = clock()
+        self._progress_at: Optional[float] = None  # the last progress signal
+        self._first_progress: Optional[float] = None
+        self._file_mtime: Optional[float] = self._mtime()  # a file left by an earlier attempt is not progress
+        self._quiet_since = self.started
+        self._cores: Deque[Tuple[float, float]] = _deque()  # (time, cores) per interval
+        self._devices: Deque[Tuple[float, Dict[str, Optional[float]]]] = _deque()
+        self._faults: Deque[Tuple[float, str]] = _deque()  # (time, what the tool said was wrong)
+        self._found: Optional[Hang] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ the supervision loop's side
+
+    def start(self, members: Callable[[], Sequence[int]], wake: Callable[[], None]) -> None:
+        tree = _Tree(members)
+        self._thread = threading.Thread(target=self._run, args=(tree, wake), name="hang-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            # A tool call in progress ends within its timeout; nothing waits on this thread's result.
+            self._thread.join(timeout=0.5)
+
+    def found(self) -> Optional[Hang]:
+        return self._found
+
+    def show_where(self, hang: Hang, trees: Dict[str, List[int]]) -> None:
+        """The stacks of every rank, into `hang`, before the attempt is stopped (time-boxed by the dumper)."""
+        if self.where is None:
+            return
+        try:
+            hang.stacks = self.where(trees)
+        except Exception as exc:  # the stop must happen whatever went wrong here
+            self.log.warning("could not take the stacks of the hung attempt", error=f"{type(exc).__name__}: {exc}")
+
+    def progress(self) -> None:
+        """A progress signal (a matching output line): the hang clock starts again."""
+        now = self.clock()
+        self._progress_at = now
+        if self._first_progress is None:
+            self._first_progress = now
+
+    def sink(self) -> Optional[ProgressSink]:
+        """The workers' output goes here too when a progress pattern is set."""
+        if self.config.progress_pattern is None:
+            return None
+        return ProgressSink(self.config.progress_pattern, self.progress)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self, tree: _Tree, wake: Callable[[], None]) -> None:
+        try:
+            previous, previous_at = tree.sample(), self.clock()
+            while not self._stop.wait(self._wait()):
+                current, now = tree.sample(), self.clock()
+                self._found = self.tick(previous, current, now - previous_at, now)
+                previous, previous_at = current, now
+                if self._found is not None:
+                    wake()
+                    return
+        except Exception as exc:  # a bug of ours must not end the job: the attempt runs on, unwatched
+            self.log.warning("hang detection stopped by an error; the attempt runs on without it",
+                             error=f"{type(exc).__name__}: {exc}")
+
+    def tick(self, before: Mapping, after: Mapping, seconds: float, now: float) -> Optional[Hang]:
+        """One period: two samples of the tree `seconds` apart, the devices and the progress file now; the hang,
+        if this is one."""
+        self._observe(before, after, seconds, now)
+        return self._judge(now)
+
+    def _wait(self) -> float:
+        """Until the next period, or sooner when that is when a hang would be declared."""
+        now = self.clock()
+        due = min(now + self.config.period, self._deadline())
+        return max(MIN_WAIT, due - now)
+
+    def _deadline(self) -> float:
+        since, allowance = self._clock()
+        return since + allowance
+
+    def _clock(self) -> Tuple[float, float]:
+        """(when the hang clock started, how long it may run): the last progress signal, or the end of the last
+        active interval; the window, or the start-up allowance before the attempt's first progress."""
+        allowance = self.config.window if self._first_progress is not None else self.config.startup
+        if self.config.signalled:
+            return (self._progress_at if self._progress_at is not None else self.started), allowance
+        return self._quiet_since, allowance
+
+    def _observe(self, before: Mapping, after: Mapping, seconds: float, now: float) -> None:
+        active, cores = activity(before, after, seconds)
+        if active:
+            self._quiet_since = now
+        self._keep(self._cores, (now, cores))
+        if self.config.tool is None and cores >= BUSY_CORES:
+            self._progressed(now)  # a CPU-only job's first progress: a busy interval
+        self._sample_devices(now)
+        mtime = self._mtime()
+        if mtime is not None and mtime != self._file_mtime:
+            self._file_mtime = mtime
+            self.progress()
+
+    def _sample_devices(self, now: float) -> None:
+        if self.config.tool is None:
+            return
+        found = self.utilisation()
+        if found is None:
+            return
+        if found.failure:
+            self._keep(self._faults, (now, found.failure))
+            return
+        for fault in found.unhealthy:
+            self._keep(self._faults, (now, f"{found.tool}: {fault}"))
+        self._keep(self._devices, (now, dict(found.devices)))
+        if any(value is not None and value > IDLE_PERCENT for value in found.devices.values()):
+            self._progressed(now)
+
+    def _progressed(self, now: float) -> None:
+        if self._first_progress is None and not self.config.signalled:
+            self._first_progress = now
+
+    def _keep(self, queue: Deque, item) -> None:
+        """Appends, and drops what is older than the longest window that can be judged."""
+        queue.append(item)
+        horizon = item[0] - max(self.config.window, self.config.startup) - self.config.period
+        while queue and queue[0][0] < horizon:
+            queue.popleft()
+
+    def _mtime(self) -> Optional[float]:
+        if self.config.progress_file is None:
+            return None
+        try:
+            return os.stat(self.config.progress_file).st_mtime
+        except OSError:
+            return None
+
+    def _judge(self, now: float) -> Optional[Hang]:
+        since, allowance = self._clock()
+        if now - since < allowance:
+            return None
+        start = now - allowance
+        cores = [c for t, c in self._cores if t >= start]
+        busiest = max(cores, default=0.0)
+        faults = [fault for t, fault in self._faults if t >= start]
+        if self.config.signalled:
+            evidence = f"no progress signal ({_progress_source(self.config)}) for {allowance:g} s"
+            return self._hang(now, f"{evidence}; {self._metrics(start, busiest)}", faults)
+        devices = [sample for t, sample in self._devices if t >= start]
+        level = flat(devices) if self.config.tool is not None and devices else (0.0, 0.0)
+        if level is None:
+            return None  # the devices are still changing: not hung (yet)
+        evidence = f"no IO and at most {busiest:.2f} CPU cores for {allowance:g} s"
+        if self.config.tool is not None:
+            evidence += "; " + (_flat_words(level, len(devices)) if devices else
+                                f"the accelerators could not be read ({faults[-1] if faults else 'no answer'})")
+        return self._hang(now, evidence, faults)
+
+    def _metrics(self, start: float, busiest: float) -> str:
+        devices = [sample for t, sample in self._devices if t >= start]
+        level = flat(devices) if devices else None
+        used = f"at most {busiest:.2f} CPU cores"
+        if level is not None and devices:
+            return f"{used}, {_flat_words(level, len(devices))}"
+        return used + (", the accelerators busy and changing" if devices else "")
+
+    def _hang(self, now: float, evidence: str, faults: List[str]) -> Hang:
+        since, _ = self._clock()
+        progressed = self._first_progress is not None and since - self._first_progress >= self.config.window
+        return Hang(evidence, faults[-1] if faults else None, progressed, now)
+
+
+def _flat_words(level: Tuple[float, float], samples: int) -> str:
+    median, spread = level
+    state = "idle" if median <= IDLE_PERCENT else "busy but unchanging (busy-polling?)"
+    return f"accelerators {state}: median {median:.0f} %, spread {spread:.1f} points over {samples} samples"
+
+
+def _deque() -> Deque:
+    import collections
+
+    return collections.deque()

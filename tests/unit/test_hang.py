@@ -1,0 +1,241 @@
+"""The hang rule (supervise/hang.py) on samples given by the test, a clock the test moves, and the real psutil
+sampling of a real process tree; the whole path with real workers is tests/e2e/test_hang.py."""
+
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ma_runtime.supervise import hang
+from ma_runtime.supervise.hang import Config, Monitor, activity, flat
+
+WINDOW = 10.0
+
+
+def config(**changes):
+    values = dict(window=WINDOW, startup=2 * WINDOW, period=2.0, restarts=3, stacks=False, tool="nvidia-smi")
+    values.update(changes)
+    return Config(**values)
+
+
+class Devices:
+    """What the accelerator tool says at each call: a utilisation for every device, or a failure."""
+
+    def __init__(self, value=0.0):
+        self.value = value
+        self.failure = None
+        self.unhealthy = []
+
+    def __call__(self):
+        return SimpleNamespace(tool="nvidia-smi", devices={"GPU 0": self.value, "GPU 1": self.value},
+                               unhealthy=list(self.unhealthy), failure=self.failure)
+
+
+QUIET = {(1, 0.0): ((5, 5, 50, 50), 1.0)}
+
+
+def quiet():
+    return QUIET
+
+
+class Writing:
+    """A tree whose one process writes at each sample while `calls` < `until`, then stops."""
+
+    def __init__(self, until=10 ** 6):
+        self.calls, self.until = 0, until
+
+    def __call__(self):
+        self.calls += 1
+        writes = min(self.calls, self.until)
+        return {(1, 0.0): ((5, writes, 50, 50 + writes), 1.0)}
+
+
+def moved():
+    return {(1, 0.0): ((6, 5, 60, 50), 1.0)}
+
+
+def run(monitor, until, step=2.0, sample=quiet, start=0.0, devices=None, values=()):
+    """Ticks every `step` s from `start` to `until`; `values` (time -> utilisation) change the devices on the way.
+    Returns (time, hang) of the first hang, or None."""
+    now = start
+    before = sample()
+    while now < until:
+        now += step
+        for at, value in values:
+            if now >= at:
+                devices.value = value
+        after = sample()
+        found = monitor.tick(before, after, step, now)
+        before = after
+        if found is not None:
+            return now, found
+    return None
+
+
+def monitor_at(cfg, devices, clock=0.0):
+    return Monitor(cfg, devices, log=None, clock=lambda: clock)
+
+
+def test_quiet_tree_and_flat_devices_after_the_first_progress_is_a_hang_after_the_window():
+    devices = Devices(60.0)
+    monitor = monitor_at(config(), devices)
+    # Busy and changing for 6 s (the first progress), then flat at 0 from t=6.
+    when, found = run(monitor, 60, devices=devices, values=[(2, 80.0), (4, 40.0), (6, 0.0)])
+    assert WINDOW <= when <= 6 + WINDOW + 2.0
+    assert found.evidence.startswith("no IO and at most 0.00 CPU cores for 10 s; accelerators idle: median 0 %")
+    assert found.device_fault is None and not found.progressed
+
+
+def test_changing_devices_are_not_a_hang_however_quiet_the_tree():
+    devices = Devices(30.0)
+    monitor = monitor_at(config(), devices)
+    values = [(t, 30.0 + 20 * (t % 4)) for t in range(0, 60, 2)]
+    assert run(monitor, 60, devices=devices, values=values) is None
+
+
+def test_busy_but_unchanging_devices_are_flat_too():
+    devices = Devices(100.0)
+    monitor = monitor_at(config(), devices)
+    when, found = run(monitor, 60, devices=devices)
+    assert "busy but unchanging" in found.evidence and "median 100 %" in found.evidence
+
+
+def test_io_resets_the_clock():
+    monitor = monitor_at(config(), Devices(50.0))
+    ticks = iter(range(1000))
+    # IO every 8 s (ticks of 2 s): never quiet for a 10 s window.
+    assert run(monitor, 80, sample=lambda: moved() if next(ticks) % 4 == 0 else QUIET) is None
+    # The control: the same tree without the IO is a hang.
+    assert run(monitor_at(config(), Devices(50.0)), 80) is not None
+
+
+def test_a_core_or_more_is_activity_less_is_not():
+    before = {(1, 0.0): ((1, 1, 1, 1), 0.0), (2, 0.0): ((1, 1, 1, 1), 0.0)}
+    busy = {(1, 0.0): ((1, 1, 1, 1), 1.1), (2, 0.0): ((1, 1, 1, 1), 0.9)}  # 2 cores over 1 s
+    idle = {(1, 0.0): ((1, 1, 1, 1), 0.3), (2, 0.0): ((1, 1, 1, 1), 0.3)}  # 0.6 of a core
+    assert activity(before, busy, 1.0) == (True, pytest.approx(2.0))
+    assert activity(before, idle, 1.0) == (False, pytest.approx(0.6))
+    # A process that came or went is activity, whatever the counters.
+    assert activity(before, {(1, 0.0): before[1, 0.0]}, 1.0)[0]
+    # The same pid with another start time is another process.
+    assert activity(before, {(1, 5.0): before[1, 0.0], (2, 0.0): before[2, 0.0]}, 1.0)[0]
+
+
+def test_flatness_is_the_spread_of_each_device():
+    assert flat([{"a": 0.0, "b": 90.0}] * 5) == (45.0, 0.0)
+    assert flat([{"a": v} for v in (10, 11, 12, 11, 10)]) is not None
+    assert flat([{"a": v} for v in (10, 30, 10, 30, 10)]) is None
+    # Too few samples, or no value (N/A), say nothing: flat.
+    assert flat([{"a": 0.0}, {"a": 100.0}]) == (0.0, 0.0)
+    assert flat([{"a": None}] * 5) == (0.0, 0.0)
+
+
+def test_before_the_first_progress_the_start_up_allowance_applies():
+    devices = Devices(0.0)  # never busy: no first progress
+    monitor = monitor_at(config(startup=30.0), devices)
+    when, found = run(monitor, 100, devices=devices)
+    assert 30.0 <= when <= 32.0
+    assert "for 30 s" in found.evidence
+
+
+def test_a_progress_signal_decides_alone():
+    # Busy, changing devices and a moving tree, but no progress line for the window: a hang.
+    devices = Devices(10.0)
+    monitor = monitor_at(config(progress_pattern="step"), devices)
+    monitor.clock = lambda: 0.0
+    monitor.progress()  # the first beat at t=0
+    values = [(t, 10.0 + 30 * (t % 4)) for t in range(0, 60, 2)]
+    when, found = run(monitor, 60, sample=Writing(), devices=devices, values=values)
+    assert when == WINDOW
+    assert found.evidence.startswith("no progress signal (output pattern) for 10 s")
+
+
+def test_progress_resets_the_clock_whatever_the_metrics():
+    clock = {"now": 0.0}
+    monitor = Monitor(config(progress_pattern="step"), Devices(0.0), log=None, clock=lambda: clock["now"])
+    for now in range(2, 60, 2):
+        clock["now"] = float(now)
+        if now % 8 == 0:
+            monitor.progress()
+        assert monitor.tick(QUIET, QUIET, 2.0, float(now)) is None
+
+
+def test_the_progress_file_mtime_is_progress(tmp_path):
+    path = tmp_path / "progress"
+    path.write_text("")
+    os.utime(path, (1, 1))  # left by an earlier attempt: not progress by itself
+    monitor = Monitor(config(progress_file=path), Devices(0.0), log=None, clock=lambda: 0.0)
+    assert monitor.tick(QUIET, QUIET, 2.0, 2.0) is None
+    assert monitor._progress_at is None
+    os.utime(path, (5, 5))
+    monitor.clock = lambda: 4.0
+    monitor.tick(QUIET, QUIET, 2.0, 4.0)
+    assert monitor._progress_at == 4.0
+
+
+def test_a_device_fault_is_reported():
+    devices = Devices(0.0)
+    devices.unhealthy = ["GPU 00000000:47:00.0: fallen off the bus"]
+    monitor = monitor_at(config(startup=WINDOW), devices)
+    _, found = run(monitor, 60, devices=devices)
+    assert found.device_fault == "nvidia-smi: GPU 00000000:47:00.0: fallen off the bus"
+
+
+def test_an_unreadable_tool_leaves_the_io_cpu_rule_and_says_so():
+    devices = Devices(0.0)
+    devices.failure = "nvidia-smi exited 9: NVIDIA-SMI has failed"
+    monitor = monitor_at(config(startup=WINDOW), devices)
+    _, found = run(monitor, 60, devices=devices)
+    assert "the accelerators could not be read (nvidia-smi exited 9" in found.evidence
+    assert found.device_fault.startswith("nvidia-smi exited 9")
+
+
+def test_an_attempt_that_progressed_for_a_window_before_it_hung_says_so():
+    devices = Devices(50.0)
+    monitor = monitor_at(config(), devices)
+    values = [(t, 50.0 + 20 * (t % 4)) for t in range(0, 30, 2)] + [(30, 0.0)]
+    # Busy and moving until t=30, quiet after: progress from t=2 to t=30, more than the window.
+    found = run(monitor, 100, devices=devices, values=values, sample=Writing(until=16))
+    assert found is not None and found[1].progressed
+    # The same hang 4 s after the first progress: not progressed.
+    devices = Devices(50.0)
+    found = run(monitor_at(config(), devices), 100, devices=devices, values=[(2, 70.0), (4, 0.0)],
+                sample=Writing(until=3))
+    assert found is not None and not found[1].progressed
+
+
+def test_the_period_follows_the_window():
+    spec = SimpleNamespace(hang_detect="on", hang_window_seconds=10.0, hang_startup_seconds=None, hang_restarts=3,
+                           hang_stacks=True, hang_progress_file=None, hang_progress_pattern=None,
+                           preflight_accelerator="none")  # a CPU job, forced on
+    log = SimpleNamespace(info=lambda *a, **k: None)
+    assert hang.configure(spec, {}, log).period == 2.0
+    assert hang.configure(spec, {}, log).startup == 20.0
+    spec.hang_window_seconds = 1800.0
+    assert hang.configure(spec, {}, log).period == 60.0
+    spec.hang_startup_seconds = 5.0
+    assert hang.configure(spec, {}, log).startup == 1800.0  # never shorter than the window
+
+
+def test_the_tree_sample_reads_a_real_process(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nfor _ in range(3):\n"
+                              "    sys.stdout.write('x'); sys.stdout.flush(); time.sleep(0.3)\ntime.sleep(30)"],
+                             stdout=subprocess.DEVNULL)
+    try:
+        tree = hang._Tree(lambda: [child.pid])
+        first = tree.sample()
+        time.sleep(1.2)
+        second = tree.sample()
+        assert activity(first, second, 1.2)[0]  # it wrote
+        time.sleep(0.3)
+        third = tree.sample()
+        time.sleep(0.5)
+        fourth = tree.sample()
+        assert activity(third, fourth, 0.5) == (False, pytest.approx(0.0, abs=0.1))  # asleep: no IO, no CPU
+    finally:
+        child.kill()
+        child.wait()
+    assert hang._Tree(lambda: [child.pid]).sample() == {}  # gone: nothing, no error
