@@ -19,6 +19,7 @@ Standard library only.
 """
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -329,3 +330,19 @@ def to_json(value: Any) -> Any:
     if isinstance(value, Sample):
         return vars(value)
     return str(value)
+
+
+def run_parts(steps: Mapping[str, Callable[[], Dict[str, Any]]], parts: Sequence[str], json_path: Optional[str],
+              environment: Mapping[str, Any]) -> None:
+    """Runs the chosen parts in order (each returns {"results": ..., "samples": ...}) and writes them to
+    `json_path` as one document, when one is given."""
+    results: Dict[str, Any] = {}
+    samples: Dict[str, Any] = {}
+    for part in parts:
+        print(flush=True)
+        outcome = steps[part]()
+        results[part], samples[part] = outcome["results"], outcome["samples"]
+    if json_path:
+        payload = {"environment": dict(environment), **results, "samples": samples}
+        with open(json_path, "w") as handle:
+            json.dump(payload, handle, indent=2, default=to_json)

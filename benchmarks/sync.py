@@ -836,8 +836,6 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers and scratch data still go
     scratch = Path(tempfile.mkdtemp(prefix="ma-bench-sync-", dir=args.workdir or "/tmp"))
-    results: Dict[str, Any] = {}
-    samples: Dict[str, Any] = {}
     try:
         (scratch / "worker.py").write_text(WORKER_SOURCE)
         home = scratch / "home"
@@ -847,14 +845,7 @@ def main(argv: Sequence[str]) -> int:
         steps = {"cycle": lambda: part_cycle(args, tree, count, scratch),
                  "forwarding": lambda: part_forwarding(args, scratch, home, count),
                  "final": lambda: part_final(args, scratch)}
-        for part in args.parts:
-            print(flush=True)
-            outcome = steps[part]()
-            results[part], samples[part] = outcome["results"], outcome["samples"]
-        if args.json:
-            payload = {"environment": environment_info(args), **results, "samples": samples}
-            with open(args.json, "w") as handle:
-                json.dump(payload, handle, indent=2, default=harness.to_json)
+        harness.run_parts(steps, args.parts, args.json, environment_info(args))
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
