@@ -29,6 +29,7 @@ leaves it alone, and the tree walk leaves it out); finding a hang, it wakes the 
 takes the stacks (`show_where`) and stops the attempt as in a failure.
 """
 
+import collections
 import dataclasses
 import os
 import re
@@ -231,9 +232,9 @@ class Monitor:
         self._first_progress: Optional[float] = None
         self._file_mtime: Optional[float] = self._mtime()  # a file left by an earlier attempt is not progress
         self._quiet_since = self.started
-        self._cores: Deque[Tuple[float, float]] = _deque()  # (time, cores) per interval
-        self._devices: Deque[Tuple[float, Dict[str, Optional[float]]]] = _deque()
-        self._faults: Deque[Tuple[float, str]] = _deque()  # (time, what the tool said was wrong)
+        self._cores: Deque[Tuple[float, float]] = collections.deque()  # (time, cores) per interval
+        self._devices: Deque[Tuple[float, Dict[str, Optional[float]]]] = collections.deque()
+        self._faults: Deque[Tuple[float, str]] = collections.deque()  # (time, what the tool said was wrong)
         self._found: Optional[Hang] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -402,9 +403,3 @@ def _flat_words(level: Tuple[float, float], samples: int) -> str:
     median, spread = level
     state = "idle" if median <= IDLE_PERCENT else "busy but unchanging (busy-polling?)"
     return f"accelerators {state}: median {median:.0f} %, spread {spread:.1f} points over {samples} samples"
-
-
-def _deque() -> Deque:
-    import collections
-
-    return collections.deque()

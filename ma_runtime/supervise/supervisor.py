@@ -216,7 +216,7 @@ class Supervisor:
     def _check_hang(self, stop: _Stop) -> None:
         """A hang the monitor found: show where each rank is stuck, then stop the attempt as in a failure."""
         hang = self.hangs.found() if self.hangs is not None and not stop.under_way else None
-        if hang is None:
+        if hang is None or not self._live():  # every worker ended meanwhile: their exits decide
             return
         self.log.error("job suspected hung", evidence=hang.evidence, device_fault=hang.device_fault,
                        **self._pids(self._live()))

@@ -6,13 +6,16 @@ The window is 5 s (MA_RUNTIME_HANG_DETECT_SECONDS), so the period is 1 s and the
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, log_dir, run_ma, task_log
+from tests.conftest import MA_RUN, ROOT, log_dir, run_ma, task_log
 from tests.e2e.test_restart_launchers import npu_job
 
 FAKES = ROOT / "tests" / "fakes"
@@ -147,6 +150,25 @@ def test_a_hung_worker_that_ignores_sigterm_is_killed_after_the_grace_its_stack_
     assert named(env, "grace period over: killing the command and its descendants")
     (text,) = dumps(stacks_dir(env, 1)).values()
     assert "wait_for_peer" in text
+
+
+def test_a_stop_request_during_the_stop_of_a_hung_attempt_ends_the_job_with_83_and_no_restart(job_env, tmp_path):
+    env = hang_env(job_env, tmp_path, HANG_MODE="block", IGNORE_TERM=1, MA_RUNTIME_HANG_RESTARTS=3,
+                   MA_RUNTIME_STOP_GRACE_SECONDS=4)
+    runtime = subprocess.Popen([MA_RUN, *PYTHON], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (task_log(env).exists() and "stopping the hung attempt" in task_log(env).read_text()):
+            assert time.monotonic() < deadline and runtime.poll() is None, "the hang was not found"
+            time.sleep(0.1)
+        runtime.send_signal(signal.SIGTERM)
+        _, stderr = runtime.communicate(timeout=60)
+    finally:
+        runtime.kill()
+    assert runtime.returncode == 83, stderr[-3000:]
+    assert marks(env, "start") == ["start-1-0"]
+    assert named(env, "not restarting")[0]["reason"] == "a stop was requested"
 
 
 def test_a_worker_that_is_not_python_has_no_stack_and_the_stop_goes_on(job_env, tmp_path):
