@@ -346,3 +346,25 @@ def run_parts(steps: Mapping[str, Callable[[], Dict[str, Any]]], parts: Sequence
         payload = {"environment": dict(environment), **results, "samples": samples}
         with open(json_path, "w") as handle:
             json.dump(payload, handle, indent=2, default=to_json)
+
+
+def value_of(key: str) -> Callable[[Dict[str, Any]], Optional[float]]:
+    """A sample's figure: the value under `key` in its result (a dict)."""
+    return lambda result: result.get(key)
+
+
+def table(title: str, samples: Mapping[str, Sequence[Sample]], rows: Sequence[Tuple[str, Tuple[str, str]]],
+          unit: str, digits: int = 1) -> Dict[str, Optional[Summary]]:
+    """Prints the rows (label, (task, key of its result)); returns their summaries by label."""
+    summaries = {label: summarize(samples[name], value_of(key)) for label, (name, key) in rows}
+    print_table(title, list(summaries.items()), unit, digits)
+    return summaries
+
+
+def failures(samples: Mapping[str, Sequence[Sample]]) -> List[str]:
+    """One line per failed sample (its result's `error`), printed."""
+    lines = [f"{name}, round {s.round + 1}: {s.result['error']}" for name, rows in samples.items() for s in rows
+             if s.result.get("error")]
+    for line in lines:
+        print(f"  FAILED {line}")
+    return lines

@@ -73,7 +73,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness  # noqa: E402  (beside this script, not a package)
@@ -153,27 +153,6 @@ def clean_environment() -> Dict[str, str]:
 
 def process_count() -> int:
     return sum(name.isdigit() for name in os.listdir("/proc"))
-
-
-def value_of(key: str) -> Callable[[Dict[str, Any]], Optional[float]]:
-    return lambda result: result.get(key)
-
-
-def table(title: str, samples: Dict[str, List[harness.Sample]], rows: Sequence[Tuple[str, Tuple[str, str]]],
-          unit: str, digits: int = 1) -> Dict[str, Optional[harness.Summary]]:
-    """Prints the rows (label, (task, key of its result)); returns their summaries by label."""
-    summaries = {label: harness.summarize(samples[name], value_of(key)) for label, (name, key) in rows}
-    harness.print_table(title, list(summaries.items()), unit, digits)
-    return summaries
-
-
-def failures(samples: Dict[str, List[harness.Sample]]) -> List[str]:
-    """One line per failed sample (its `error`), printed."""
-    lines = [f"{name}, round {s.round + 1}: {s.result['error']}" for name, rows in samples.items() for s in rows
-             if s.result.get("error")]
-    for line in lines:
-        print(f"  FAILED {line}")
-    return lines
 
 
 class QuietLog:
@@ -385,13 +364,15 @@ def cost_report(samples, period_s: float, warnings: List[str]) -> Dict[str, Any]
     rows = [(DETECTOR, (PERIOD_ROW, "detector_ms")), (OUR_SIDE, (PERIOD_ROW, "our_side_ms")),
             (FAKE_TOOL, (PERIOD_ROW, "tool_ms")), (PSUTIL_ANCHOR, (PSUTIL_ANCHOR, "cpu_ms")),
             (PS_ANCHOR, (PS_ANCHOR, "cpu_ms"))]
-    cpu = table("CPU per period (this process's process_time; a child's from its rusage)", samples, rows, "ms CPU", 2)
-    table("of which ps itself (rusage)", samples, [("ps -e, the child alone", (PS_ANCHOR, "child_ms"))], "ms CPU", 2)
-    table("processes on the machine while measuring", samples,
-          [(name, (name, "processes")) for name in samples], "procs", 0)
-    totals = table("the runtime's own CPU per period, and with the fake tool's", samples,
-                   [("detector + our side", (PERIOD_ROW, "runtime_ms")),
-                    ("detector + our side + the fake tool", (PERIOD_ROW, "with_tool_ms"))], "ms CPU", 2)
+    cpu = harness.table("CPU per period (this process's process_time; a child's from its rusage)", samples, rows,
+                        "ms CPU", 2)
+    harness.table("of which ps itself (rusage)", samples, [("ps -e, the child alone", (PS_ANCHOR, "child_ms"))],
+                  "ms CPU", 2)
+    harness.table("processes on the machine while measuring", samples,
+                  [(name, (name, "processes")) for name in samples], "procs", 0)
+    totals = harness.table("the runtime's own CPU per period, and with the fake tool's", samples,
+                           [("detector + our side", (PERIOD_ROW, "runtime_ms")),
+                            ("detector + our side + the fake tool", (PERIOD_ROW, "with_tool_ms"))], "ms CPU", 2)
     hourly = {label: None if summary is None else core_pct(summary, period_s) for label, summary in
               {DETECTOR: cpu[DETECTOR], **totals}.items()}
     harness.print_table(f"per hour at the default period ({period_s:g} s): % of one core", list(hourly.items()),
@@ -410,7 +391,7 @@ def cost_report(samples, period_s: float, warnings: List[str]) -> Dict[str, Any]
         print(f"  WARNING from the monitor: {warning}")
     return {"cpu_ms": cpu, "totals_ms": totals, "core_pct_per_hour": hourly, "detector_over_psutil": over_psutil,
             "detector_over_ps": over_ps, "goal_core_pct": GOAL_CORE_PCT, "met": met, "period_s": period_s,
-            "failed": failures(samples), "monitor_warnings": warnings}
+            "failed": harness.failures(samples), "monitor_warnings": warnings}
 
 
 def _detector_or_cpu(result: Dict[str, Any]) -> Optional[float]:
@@ -548,12 +529,12 @@ def part_latency(args, scratch: Path) -> Dict[str, Any]:
     rows = {"1": (ONE_RANK, 1), "8": (EIGHT_RANKS, 8)}
     tasks = {rows[key][0]: (lambda ranks=rows[key][1]: bench.run(ranks)) for key in args.latency_rows}
     samples = harness.round_robin(tasks, args.rounds, args.warmup)
-    results: Dict[str, Any] = {"failed": failures(samples), "goal_s": LATENCY_GOAL_S}
+    results: Dict[str, Any] = {"failed": harness.failures(samples), "goal_s": LATENCY_GOAL_S}
     for name in tasks:
-        figures = table(f"{name}: seconds from the (last) block", samples,
-                        [("-> `job suspected hung`", (name, "to_hung_s")),
-                         ("-> the stack summary's last line", (name, "to_summary_s")),
-                         ("-> ma-run exited (the stop included)", (name, "to_exit_s"))], "s", 2)
+        figures = harness.table(f"{name}: seconds from the (last) block", samples,
+                                [("-> `job suspected hung`", (name, "to_hung_s")),
+                                 ("-> the stack summary's last line", (name, "to_summary_s")),
+                                 ("-> ma-run exited (the stop included)", (name, "to_exit_s"))], "s", 2)
         summary = figures["-> the stack summary's last line"]
         met = summary is not None and summary.median <= LATENCY_GOAL_S
         print(f"\n  {name}: the stack summary {harness.number(summary.median if summary else None, 2)} s after the "

@@ -71,7 +71,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness  # noqa: E402  (beside this script, not a package)
@@ -278,27 +278,6 @@ def epoch_of(stamp: str) -> float:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
-def value_of(key: str) -> Callable[[Dict[str, Any]], Optional[float]]:
-    return lambda result: result.get(key)
-
-
-def table(title: str, samples: Dict[str, List[harness.Sample]], rows: Sequence[Tuple[str, str]], unit: str,
-          digits: int = 1) -> Dict[str, Optional[harness.Summary]]:
-    """Prints the rows (label, key of the sample's result); returns their summaries by label."""
-    summaries = {label: harness.summarize(samples[name], value_of(key)) for label, (name, key) in rows}
-    harness.print_table(title, list(summaries.items()), unit, digits)
-    return summaries
-
-
-def failures(samples: Dict[str, List[harness.Sample]]) -> List[str]:
-    """One line per failed sample (its `error`), printed."""
-    lines = [f"{name}, round {s.round + 1}: {s.result['error']}" for name, rows in samples.items() for s in rows
-             if s.result.get("error")]
-    for line in lines:
-        print(f"  FAILED {line}")
-    return lines
-
-
 # --------------------------------------------------------------------------- part 1: a no-change cycle
 
 
@@ -359,9 +338,9 @@ def part_cycle(args, tree: Path, count: int, scratch: Path) -> Dict[str, Any]:
                          args.rounds, args.warmup)
     tasks = {CYCLE: lambda: timed_cycle(sync), FLOOR: lambda: timed_walk(tree, count), FIND: lambda: timed_find(tree)}
     samples = harness.round_robin(tasks, args.rounds, args.warmup)
-    cpu = table("CPU per walk of the tree", samples, [(name, (name, "cpu_ms")) for name in tasks], "ms CPU", 2)
-    table("wall time per walk", samples, [(name, (name, "wall_ms")) for name in tasks], "ms", 2)
-    results = {"cpu_ms": cpu, "failed": failures(samples), "engine_warnings": log.warnings}
+    cpu = harness.table("CPU per walk of the tree", samples, [(name, (name, "cpu_ms")) for name in tasks], "ms CPU", 2)
+    harness.table("wall time per walk", samples, [(name, (name, "wall_ms")) for name in tasks], "ms", 2)
+    results = {"cpu_ms": cpu, "failed": harness.failures(samples), "engine_warnings": log.warnings}
     results.update(cycle_verdict(samples, cpu, count))
     if args.profile_cycles:
         results["profile"] = profile_cycles(sync, args.profile_cycles)
@@ -369,8 +348,8 @@ def part_cycle(args, tree: Path, count: int, scratch: Path) -> Dict[str, Any]:
 
 
 def cycle_verdict(samples, cpu, count: int) -> Dict[str, Any]:
-    over_floor = harness.compare(samples[CYCLE], samples[FLOOR], harness.ratio, value_of("cpu_ms"))
-    over_find = harness.compare(samples[CYCLE], samples[FIND], harness.ratio, value_of("cpu_ms"))
+    over_floor = harness.compare(samples[CYCLE], samples[FLOOR], harness.ratio, harness.value_of("cpu_ms"))
+    over_find = harness.compare(samples[CYCLE], samples[FIND], harness.ratio, harness.value_of("cpu_ms"))
     print(f"\n  cycle / floor (CPU): {harness.comparison_text(over_floor)}")
     print(f"  cycle / find (CPU):  {harness.comparison_text(over_find)}")
     median = cpu[CYCLE].median if cpu[CYCLE] else None
@@ -478,7 +457,7 @@ def part_forwarding(args, scratch: Path, home: Path, count: int) -> Dict[str, An
     tasks = {f"{case}, {label}": (lambda case=case, on=on: bench.run(case, on))
              for case in args.forward_cases for label, on in ((WITH_SYNC, True), (WITHOUT_SYNC, False))}
     samples = harness.round_robin(tasks, args.rounds, args.warmup)
-    results: Dict[str, Any] = {"failed": failures(samples)}
+    results: Dict[str, Any] = {"failed": harness.failures(samples)}
     for case in args.forward_cases:
         results[case] = forwarding_case(case, bench.counts[case], samples)
     return {"results": results, "samples": samples}
@@ -487,11 +466,11 @@ def part_forwarding(args, scratch: Path, home: Path, count: int) -> Dict[str, An
 def forwarding_case(case: str, count: int, samples) -> Dict[str, Any]:
     ours, anchor = f"{case}, {WITH_SYNC}", f"{case}, {WITHOUT_SYNC}"
     how = "10 000 lines per write()" if case == "batched" else "one write() per line"
-    rates = table(f"{case}: {count:,} lines ({how}), lines/s over the writer's printing", samples,
-                  [(WITH_SYNC, (ours, "lines_per_s")), (WITHOUT_SYNC, (anchor, "lines_per_s"))], "lines/s", 0)
-    uploader = table(f"{case}: the uploader's CPU while the writer printed, % of one core", samples,
-                     [(WITH_SYNC, (ours, "uploader_core_pct"))], "%", 1)
-    kept = harness.compare(samples[ours], samples[anchor], harness.ratio, value_of("lines_per_s"))
+    rates = harness.table(f"{case}: {count:,} lines ({how}), lines/s over the writer's printing", samples,
+                          [(WITH_SYNC, (ours, "lines_per_s")), (WITHOUT_SYNC, (anchor, "lines_per_s"))], "lines/s", 0)
+    uploader = harness.table(f"{case}: the uploader's CPU while the writer printed, % of one core", samples,
+                             [(WITH_SYNC, (ours, "uploader_core_pct"))], "%", 1)
+    kept = harness.compare(samples[ours], samples[anchor], harness.ratio, harness.value_of("lines_per_s"))
     loss = None if kept.of_medians is None else 1.0 - kept.of_medians
     print(f"\n  {case}: with sync / without, lines/s: {harness.comparison_text(kept)}")
     met = loss is not None and loss < FORWARDING_LOSS_GOAL
@@ -780,32 +759,32 @@ def part_final(args, scratch: Path) -> Dict[str, Any]:
             print(f"NOTE: not root: row '{ENGINE_NICED}' is left out")
         samples = harness.round_robin(rows, args.rounds, args.warmup)
         results = final_report(samples, bench.total_bytes)
-        results.update({"endpoint": server.label, "notes": notes, "failed": failures(samples)})
+        results.update({"endpoint": server.label, "notes": notes, "failed": harness.failures(samples)})
         return {"results": results, "samples": samples}
     finally:
         server.stop()
 
 
 def final_report(samples, total_bytes: int) -> Dict[str, Any]:
-    seconds = table("seconds to the bucket", samples, [(name, (name, "seconds")) for name in samples], "s", 3)
-    parts = table("ma-run's share: the command's exit to `command exited`, and the uploader's own elapsed_s",
-                  samples, [("exit -> `command exited`", (MA_FINAL, "to_exited")),
+    seconds = harness.table("seconds to the bucket", samples, [(name, (name, "seconds")) for name in samples], "s", 3)
+    parts = harness.table("ma-run's share: the command's exit to `command exited`, and the uploader's own elapsed_s",
+                          samples, [("exit -> `command exited`", (MA_FINAL, "to_exited")),
                             ("uploader elapsed_s (final sync)", (MA_FINAL, "uploader_s"))], "s", 3)
     rate = {label: None if summary is None else megabytes_per_s(summary, total_bytes)
             for label, summary in seconds.items()}
     harness.print_table("the same as throughput", list(rate.items()), "MB/s", 0)
-    phases = table("where the time goes: the small files' PUTs, then the large files' multipart uploads "
-                   "(first call's start to last call's end)", samples,
-                   [(f"{short}: {phase} files", (name, f"{phase}_s")) for phase in ("small", "large")
-                    for short, name in (("engine", ENGINE), ("boto3", RAW_UPLOAD))], "s", 3)
-    versus = harness.compare(samples[MA_FINAL], samples[RAW_UPLOAD], harness.ratio, value_of("seconds"))
-    engine = harness.compare(samples[ENGINE], samples[RAW_UPLOAD], harness.ratio, value_of("seconds"))
-    machinery = harness.compare(samples[MA_FINAL], samples[ENGINE], harness.ratio, value_of("seconds"))
+    phases = harness.table("where the time goes: the small files' PUTs, then the large files' multipart uploads "
+                           "(first call's start to last call's end)", samples,
+                           [(f"{short}: {phase} files", (name, f"{phase}_s")) for phase in ("small", "large")
+                            for short, name in (("engine", ENGINE), ("boto3", RAW_UPLOAD))], "s", 3)
+    versus = harness.compare(samples[MA_FINAL], samples[RAW_UPLOAD], harness.ratio, harness.value_of("seconds"))
+    engine = harness.compare(samples[ENGINE], samples[RAW_UPLOAD], harness.ratio, harness.value_of("seconds"))
+    machinery = harness.compare(samples[MA_FINAL], samples[ENGINE], harness.ratio, harness.value_of("seconds"))
     print(f"\n  engine in-process / raw upload:  {harness.comparison_text(engine)}")
     print(f"  ma-run / engine in-process:      {harness.comparison_text(machinery)}")
     niced = None
     if ENGINE_NICED in samples:
-        niced = harness.compare(samples[ENGINE_NICED], samples[ENGINE], harness.ratio, value_of("seconds"))
+        niced = harness.compare(samples[ENGINE_NICED], samples[ENGINE], harness.ratio, harness.value_of("seconds"))
         print(f"  engine at nice 10 / at nice 0:   {harness.comparison_text(niced)}")
     print(f"  final sync / raw upload, seconds: {harness.comparison_text(versus)}")
     met = versus.of_medians is not None and versus.of_medians <= FINAL_RATIO_GOAL
