@@ -206,3 +206,15 @@ def test_a_bad_hang_setting_is_one_line_and_78(job_env, name, value):
     errors = [line for line in result.stderr.splitlines() if "error,exiting" in line]
     assert len(errors) == 1 and name in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_job_files_hang_section_is_read_and_the_progress_file_is_exported_to_the_command(job_env, tmp_path):
+    progress = tmp_path / "progress"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"hang:\n  detect: 'off'\n  progress_file: {progress}\n  restarts: 0\n")
+    env = {**job_env, "MA_RUNTIME_CONFIG": str(job), "MA_RUNTIME_LOG_FORMAT": "json"}
+    result = run_ma(["sh", "-c", 'echo "progress file: $MA_RUNTIME_PROGRESS_FILE"'], env)
+    assert result.returncode == 0, result.stderr
+    assert f"progress file: {progress}" in result.stdout
+    (off,) = named(env, "hang detection off")
+    assert off["reason"] == "MA_RUNTIME_HANG_DETECT=off"
