@@ -103,6 +103,9 @@ class _Prepared:
     """What the stages before the command give every attempt."""
 
     staged: Staged
+    # The environment the plan and the workers start from: the runtime's, with what the stages before the
+    # command set and unset; the runtime's own stays as it was.
+    environ: Mapping[str, str]
     rank_table: Any = None  # a ranktable.Prepared, when the job has one
 
 
@@ -116,7 +119,7 @@ def _prepare(spec: spec_module.JobSpec, first, log, _stopped: threading.Event) -
 
         rank_table = ranktable.prepare(spec, os.environ, log)
         staged.env.update(rank_table.env)
-    return _Prepared(staged, rank_table)
+    return _Prepared(staged, dict(os.environ), rank_table)
 
 
 class _Stopped(RuntimeFailure):
@@ -292,7 +295,8 @@ class _Context:
     def _end_stragglers(self) -> None:
         """What a stage stopped midway left running (a preflight tool): the supervisor cleans up after the
         command, but nothing else does."""
-        exclude = children.NotTheCommand((self.guard.pid,) if self.guard is not None else ())
+        # Services (what a stage left running on purpose) too: the run is over.
+        exclude = children.NotTheCommand((self.guard.pid,) if self.guard is not None else (), services=True)
         me = os.getpid()
 
         def members() -> Dict[int, Any]:
@@ -379,7 +383,7 @@ def _plan(spec: spec_module.JobSpec, command: Sequence[str], prepared: _Prepared
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
     argv = build_argv(command, [*prepared.staged.arguments, *spec.hyperparameters])
     resolve = functools.partial(resolve_until, seconds=spec.master_resolve_seconds)
-    plan = plan_module.build(spec, plan_module.Context(argv, os.environ, prepared.rank_table, resolve,
+    plan = plan_module.build(spec, plan_module.Context(argv, prepared.environ, prepared.rank_table, resolve,
                                                        attempt=attempt.number))
     for warning in plan.warnings:
         logs.get_logger().warning(warning)
@@ -466,7 +470,7 @@ def _launch(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context:
             attempt=attempt.number,
             task_log=str(spec.task_log_path),
         )
-        base_env = {**_worker_env(spec, context.run_id, attempt.number), **prepared.staged.env}
+        base_env = {**_worker_env(spec, context.run_id, attempt.number, prepared.environ), **prepared.staged.env}
         extra = watch.sinks if watch is not None else []
         if watch is not None:
             base_env.update(watch.env(base_env))
@@ -616,8 +620,8 @@ def resolve_until(host: str, seconds: float) -> str:
             time.sleep(1.0)
 
 
-def _worker_env(spec: spec_module.JobSpec, run_id: str, attempt: int) -> Dict[str, str]:
-    env = dict(os.environ)
+def _worker_env(spec: spec_module.JobSpec, run_id: str, attempt: int, environ: Mapping[str, str]) -> Dict[str, str]:
+    env = dict(environ)
     env["MA_PROC_START_CNT"] = str(attempt)
     for name in _EXPORTED:
         value = getattr(spec, name)

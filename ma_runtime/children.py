@@ -9,13 +9,17 @@ it finds there.
 """
 
 import contextlib
+import os
 import threading
-from typing import Callable, Iterable, Iterator, Set, TypeVar
+from typing import Callable, Iterable, Iterator, List, Set, TypeVar
 
 LOCK = threading.Lock()
 _OWNED: Set[int] = set()
 # Long-lived helpers of the runtime (the uploader): children of ours, but never the command's processes.
 _HELPERS: Set[int] = set()
+# What the pre-start hook left running (an sshd): the job's services, never the command's processes, and, unlike
+# a helper, not waited for by anyone of ours: the reaping loop may reap them.
+_SERVICES: Set[int] = set()
 T = TypeVar("T")
 
 
@@ -56,14 +60,28 @@ def end_helper(pid: int) -> None:
         _HELPERS.discard(pid)
 
 
+def adopt_services(exclude: Iterable[int] = ()) -> List[int]:
+    """Every descendant of ours now (but `exclude`, helpers and owned tools) becomes a service: called when the
+    pre-start hook has exited and before any command runs, so what is left is what the hook started."""
+    from ma_runtime.supervise.worker import descendants
+
+    found = descendants(os.getpid(), NotTheCommand(exclude))
+    with LOCK:
+        _SERVICES.update(found)
+    return found
+
+
 class NotTheCommand:
     """The `exclude` of a process-tree walk: the given pids (the guard), every helper, including one started
     after the walk's owner was built (a restarted uploader), and every tool the runtime runs and waits for
     itself (the hang monitor's nvidia-smi, py-spy): none is the command's, none may be stopped as if it were,
-    and a tool coming and going is no activity of the command's."""
+    and a tool coming and going is no activity of the command's. The pre-start hook's services neither, unless
+    `services` (the run's end: they are stopped with everything else)."""
 
-    def __init__(self, pids: Iterable[int] = ()):
+    def __init__(self, pids: Iterable[int] = (), services: bool = False):
         self.pids = frozenset(pids)
+        self.services = services
 
     def __contains__(self, pid: object) -> bool:
-        return pid in self.pids or pid in _HELPERS or pid in _OWNED
+        return (pid in self.pids or pid in _HELPERS or pid in _OWNED
+                or (not self.services and pid in _SERVICES))

@@ -87,3 +87,26 @@ def _skip_quoted(script: str, start: int) -> int:
             return i + 1
         i += 1
     return len(script)
+
+
+def last_simple_command(script: str) -> List[str]:
+    """The words of a shell script's last simple command, up to its first redirection (`cd src && python
+    train.py > out.log` -> [python, train.py]); [] when the script cannot be read as shell words."""
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|()<>\n")
+    lexer.whitespace = " \t\r"  # a newline ends a command, as `;` does
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:  # an unclosed quote
+        return []
+    commands: List[List[str]] = [[]]
+    for token in tokens:
+        if token and set(token) <= _OPERATOR_CHARS - set("<>") | {"\n"}:
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    last = next((words for words in reversed(commands) if words), [])
+    for index, word in enumerate(last):
+        if word and set(word) <= set("<>&"):
+            return last[:index]
+    return last

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ma_runtime.launch.args import build_argv, insert_after_last_word, is_shell_form
+from ma_runtime.launch.args import build_argv, insert_after_last_word, is_shell_form, last_simple_command
 from tests.conftest import run_ma
 
 PAIRS = [("lr", "0.1"), ("name", "a b 'c' \"d\" $(touch pwned)")]
@@ -82,3 +82,15 @@ def test_argv_command_gets_arguments_without_any_shell(tmp_path, job_env):
         "--lr", "1", "--lr=0.1", f"--name={PAIRS[1][1]}",
     ]
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("script, words", [
+    ("cd src && python train.py > out.log", ["python", "train.py"]),
+    ("python a.py; python -u b.py --x 1 # comment", ["python", "-u", "b.py", "--x", "1"]),
+    ("pip list\nbash run.sh", ["bash", "run.sh"]),
+    ("(cd x; python t.py) &", ["python", "t.py"]),
+    ("python 'with space.py' 2>&1", ["python", "with space.py", "2"]),
+    ('echo "unclosed', []),
+])
+def test_last_simple_command(script, words):
+    assert last_simple_command(script) == words
