@@ -83,7 +83,8 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
             log.info(note)
         context.start_guard()  # before any thread: the guard is a fork of this process
         first = attempt_module.first(spec, context.run_id, log)
-        prepared = context.wait_for(functools.partial(_prepare, spec, first, log), "before the command started")
+        prepared = context.wait_for(functools.partial(_prepare, spec, first, log, command, context),
+                                    "before the command started")
         return _attempts(spec, command, context, prepared, first)
     except RuntimeFailure as failure:
         return context.fail(failure)
@@ -103,23 +104,31 @@ class _Prepared:
     """What the stages before the command give every attempt."""
 
     staged: Staged
-    # The environment the plan and the workers start from: the runtime's, with what the stages before the
-    # command set and unset; the runtime's own stays as it was.
+    # The environment the plan and the workers start from: the runtime's, with what the hooks (pip, CANN's
+    # set_env.sh, ma-pre-start) set and unset; the runtime's own stays as it was.
     environ: Mapping[str, str]
     rank_table: Any = None  # a ranktable.Prepared, when the job has one
 
 
-def _prepare(spec: spec_module.JobSpec, first, log, _stopped: threading.Event) -> _Prepared:
-    """Preflight, stage-in, the rank table: once per run, in the stage thread."""
+def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], context: "_Context",
+             _stopped: threading.Event) -> _Prepared:
+    """Preflight, stage-in, the hooks, the rank table: once per run, in the stage thread."""
+    from ma_runtime import hooks
+
     _preflight(spec, log)
     staged = stage_in(spec, os.environ, log, first.number)  # a later attempt reuses what was staged
+    # The hooks see what the command will see (MA_LOG_DIR, VC_TASK_INDEX, the staged channels resolved); a later
+    # runtime in this pod (first.number > 1) reuses what the first one installed and its hook exported.
+    seen_by_hooks = {**_worker_env(spec, context.run_id, first.number, os.environ), **staged.env}
+    changes = hooks.prepare(spec, seen_by_hooks, command, context.task_log, log, reuse=first.number > 1,
+                            exclude=(context.guard.pid,) if context.guard is not None else ())
     rank_table = None
     if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
         from ma_runtime import ranktable
 
         rank_table = ranktable.prepare(spec, os.environ, log)
         staged.env.update(rank_table.env)
-    return _Prepared(staged, dict(os.environ), rank_table)
+    return _Prepared(staged, changes.apply(os.environ), rank_table)
 
 
 class _Stopped(RuntimeFailure):
@@ -218,6 +227,8 @@ class _Context:
             reason=failure.reason,
             hint=failure.hint,
             attempt=self.attempt.number if self.attempt else None,
+            tail=getattr(failure, "tail", None),  # a hook's last lines
+            hook_exit_code=getattr(failure, "hook_exit_code", None),
         )
         self.write_termination(**fields)
         if isinstance(failure, ConfigError) and self.uploader is None:
@@ -295,7 +306,7 @@ class _Context:
     def _end_stragglers(self) -> None:
         """What a stage stopped midway left running (a preflight tool): the supervisor cleans up after the
         command, but nothing else does."""
-        # Services (what a stage left running on purpose) too: the run is over.
+        # The pre-start hook's services (an sshd) too: the run is over.
         exclude = children.NotTheCommand((self.guard.pid,) if self.guard is not None else (), services=True)
         me = os.getpid()
 

@@ -3,11 +3,11 @@
 This is the one table of the runtime's own exit codes; the README repeats it.
 A training command's own exit code passes through unchanged, and a death by
 signal N becomes 128+N, so the runtime's codes sit where shells and sysexits(3)
-leave room: 70 and 78 are EX_SOFTWARE and EX_CONFIG, 79-84 follow EX_CONFIG.
+leave room: 70 and 78 are EX_SOFTWARE and EX_CONFIG, 79-85 follow EX_CONFIG.
 """
 
 import enum
-from typing import Optional
+from typing import Optional, Sequence
 
 
 class ExitCode(enum.IntEnum):
@@ -20,6 +20,7 @@ class ExitCode(enum.IntEnum):
     RESTARTS_EXHAUSTED = 82
     HANG_DETECTED = 83
     DEVICE_NOT_RELEASED = 84
+    HOOK_FAILED = 85
     COMMAND_NOT_EXECUTABLE = 126
     COMMAND_NOT_FOUND = 127
 
@@ -96,3 +97,18 @@ class DeviceNotReleased(RuntimeFailure):
     exit_code = ExitCode.DEVICE_NOT_RELEASED
     category = Category.INFRASTRUCTURE
     stage = "restart"
+
+
+class HookFailed(RuntimeFailure):
+    """pip requirements, CANN's set_env.sh or the pre-start hook failed or timed out: the job's own set-up, so
+    the job's author acts; the tail of its output goes into the termination message."""
+
+    exit_code = ExitCode.HOOK_FAILED
+    category = Category.USER
+    stage = "pre-start"
+
+    def __init__(self, reason: str, hint: str = "", stage: Optional[str] = None, tail: Sequence[str] = (),
+                 hook_exit_code: Optional[int] = None):
+        super().__init__(reason, hint, stage)
+        self.tail = list(tail)
+        self.hook_exit_code = hook_exit_code

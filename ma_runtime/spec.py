@@ -166,6 +166,16 @@ def _url(text: str) -> str:
     return str(text).strip()
 
 
+def _auto_off_or_path(text: str) -> str:
+    """`auto`, `off`, or a file's path (kept as written: found or refused when it is used)."""
+    value = str(text).strip()
+    if value.lower() in ("auto", "off"):
+        return value.lower()
+    if not value:
+        raise BadValue("must be auto, off or a file's path")
+    return value
+
+
 def _path(text: str) -> Path:
     if not str(text).strip():
         raise BadValue("is an empty path")
@@ -249,6 +259,19 @@ SETTINGS: Tuple[Setting, ...] = (
              "progress: its mtime resets the hang clock", None),
             ("progress_pattern", "MA_RUNTIME_PROGRESS_PATTERN", _regex, "a regular expression: an output line "
              "matching it resets the hang clock", None),
+        )
+    ),
+    *(
+        Setting(f"hooks_{name}", env, parse, help, default, cli=False)
+        for name, env, parse, help, default in (
+            ("pip_install", "MA_RUNTIME_PIP_INSTALL", _switch, "install pip-requirement.txt or requirements.txt "
+             "from the top of the code directory with the job's python, once per pod", True),
+            ("cann_set_env", "MA_RUNTIME_CANN_SET_ENV", _auto_off_or_path, "CANN's set_env.sh, sourced before the "
+             "pre-start hook: auto (the usual /usr/local/Ascend places), off, or its path", "auto"),
+            ("pre_start", "MA_RUNTIME_PRE_START", _choice(("auto", "off")), "run ma-pre-start.sh or .py found next "
+             "to the boot file or at the top of the code directory (auto), or not (off)", "auto"),
+            ("timeout_seconds", "MA_RUNTIME_HOOK_TIMEOUT_SECONDS", _number(1, WEEK_SECONDS), "how long pip, CANN's "
+             "set_env.sh and the pre-start hook may each run", 1800.0),
         )
     ),
     Setting("log_format", "MA_RUNTIME_LOG_FORMAT", _choice(LOG_FORMATS), "logfmt or json", "logfmt"),
@@ -350,7 +373,7 @@ parse_seconds = _seconds
 # Job-file keys that are not single settings.
 FILE_ONLY_KEYS = ("hyperparameters", "inputs", "outputs")
 # Job-file sections whose keys are settings named `<section>_<key>`.
-FILE_SECTIONS = ("preflight", "storage", "code", "ranktable", "sync", "hang")
+FILE_SECTIONS = ("preflight", "storage", "code", "ranktable", "sync", "hang", "hooks")
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
 
 
@@ -382,6 +405,10 @@ class JobSpec:
     hang_stacks: bool
     hang_progress_file: Optional[Path]
     hang_progress_pattern: Optional[str]
+    hooks_pip_install: bool
+    hooks_cann_set_env: str
+    hooks_pre_start: str
+    hooks_timeout_seconds: float
     log_format: str
     log_level: str
     preflight: bool

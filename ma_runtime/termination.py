@@ -67,6 +67,7 @@ def build(
     attempts: Optional[List[Dict[str, Any]]] = None,
     command_exit_code: Optional[int] = None,
     unsynced: Optional[List[str]] = None,
+    hook_exit_code: Optional[int] = None,
     masker=None,
 ) -> Dict[str, Any]:
     message = {
@@ -86,6 +87,8 @@ def build(
         message["attempt"] = attempt  # the last start of the command (its MA_PROC_START_CNT)
     if command_exit_code is not None:
         message["command_exit_code"] = command_exit_code  # the last attempt's own code, under an exit 82
+    if hook_exit_code is not None:
+        message["hook_exit_code"] = hook_exit_code  # pip's, set_env.sh's or the pre-start script's own status
     if attempts:
         message["attempts"] = list(attempts)  # one entry per start of the command, oldest first
     if unsynced:
