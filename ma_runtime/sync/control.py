@@ -63,9 +63,12 @@ class Uploader:
                                  error=str(exc))
 
     def _spawn(self) -> None:
+        # Isolated as the runtime is when the image's entrypoint runs it with -I: the job's PYTHONPATH must not
+        # reach the runtime's own packages.
+        isolated = ["-I"] if sys.flags.isolated else []
         proc = children.start_helper(lambda: subprocess.Popen(
-            [sys.executable, "-m", "ma_runtime.sync.uploader"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            close_fds=True, start_new_session=True))
+            [sys.executable, *isolated, "-m", "ma_runtime.sync.uploader"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, close_fds=True, start_new_session=True))
         self.proc = proc
         threading.Thread(target=self._watch, args=(proc,), name="uploader-watch", daemon=True).start()
         try:
