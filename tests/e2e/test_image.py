@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_hooks import tiny_wheel
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
 BASE = "local/debian:bookworm"
@@ -285,3 +287,19 @@ def test_the_image_has_no_setuid_or_setgid_file(image):
                            "-type", "f"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.mark.root
+def test_requirements_and_the_pre_start_hook_work_in_the_image_as_ma_user(image, shared):
+    """pip installs into the job's Python (/opt/job-venv, ma-user's) offline, and the hook's export reaches the
+    command; the runtime's own venv is untouched."""
+    code = shared("code")
+    wheel = tiny_wheel(code, "matinyimage")
+    (code / "requirements.txt").write_text(f"--no-index\n/code/{wheel.name}\n")
+    (code / "ma-pre-start.sh").write_text('export FROM_HOOK="hook ran as $(id -u)"\n')
+    show = "import matinyimage, os, sys; print(matinyimage.VALUE, '|', os.environ['FROM_HOOK'], '|', sys.prefix)"
+    proc = subprocess.run([*RUN, "-v", f"{code}:/code", "-w", "/code", image, "python", "-c", show],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "installed from the local wheel | hook ran as 1000 | /opt/job-venv" in proc.stdout
+    assert "[pip] Successfully installed matinyimage-1.0" in proc.stdout + proc.stderr
