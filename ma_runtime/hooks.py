@@ -165,7 +165,7 @@ def _pip_install(run: _Run) -> None:
         raise HookFailed(f"pip install -r {found.name} failed with exit code {result.code}",
                          hint=_pip_hint(run), stage="pip", tail=result.tail, hook_exit_code=result.code)
     run.log.info("pip requirements installed", file=str(found), elapsed_s=round(time.monotonic() - started, 3))
-    record.write(key)
+    record.write(key, run.log, "pip install")
 
 
 def _index_options(environ: Mapping[str, str]) -> List[str]:
@@ -301,9 +301,9 @@ def _pre_start(run: _Run, environ: Dict[str, str]) -> Env:
     record = _Record(run.spec.state_dir / "pre-start.json", run.reuse, private=True)
     key = {"file": str(hook), "sha256": _sha256(hook)}
     previous = record.matches(key)
+    env = _recorded_env(previous)
     # A hook that started a service (an sshd) runs again: the service ended with the runtime that adopted it.
-    if previous and not previous.get("services"):
-        env = Env.from_json(previous["env"])
+    if env is not None and not previous.get("services"):
         run.log.info("pre-start script already ran in this pod; its environment applied again", hook=str(hook),
                      set=len(env.set), unset=len(env.unset))
         return env
@@ -321,8 +321,20 @@ def _pre_start(run: _Run, environ: Dict[str, str]) -> Env:
     services = _adopt_leftovers(run)
     run.log.info("pre-start script finished", hook=str(hook), elapsed_s=round(time.monotonic() - started, 3),
                  set=sorted(result.env.set), unset=sorted(result.env.unset))
-    record.write({**key, "env": result.env.to_json(), "services": bool(services)})
+    record.write({**key, "env": result.env.to_json(), "services": bool(services)}, run.log, "pre-start script")
     return result.env
+
+
+def _recorded_env(previous: Optional[dict]) -> Optional[Env]:
+    """The environment a record holds, None when it holds none that can be applied (then the hook runs)."""
+    try:
+        env = Env.from_json(previous["env"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    if all(isinstance(n, str) and isinstance(v, str) for n, v in env.set.items()) and all(
+            isinstance(n, str) for n in env.unset):
+        return env
+    return None
 
 
 def _python_hook(run: _Run, hook: Path, environ: Mapping[str, str]) -> "_Result":
@@ -358,7 +370,7 @@ def _source(run: _Run, script: Path, environ: Mapping[str, str], name: str, step
     bash = shutil.which("bash", path=environ.get("PATH", os.defpath)) or "/bin/sh"
 
     def source(env: Dict[str, str]) -> _Result:
-        with _scratch(run.spec, "dump") as before, _scratch(run.spec, "dump") as after:
+        with _scratch("before") as before, _scratch("after") as after:
             argv = [bash, "-c", _SOURCE, name, sys.executable, _DUMP, str(before), str(after), str(script)]
             result = _supervised(run, argv, env, name, step)
             dumps = [_read_dump(before), _read_dump(after)]
@@ -376,7 +388,7 @@ def _source(run: _Run, script: Path, environ: Mapping[str, str], name: str, step
 
 def _with_env_file(run: _Run, start, environ: Mapping[str, str]) -> _Result:
     """`start(env)` with MA_HOOK_ENV_FILE naming a fresh file; its NAME=value lines are applied on top."""
-    with _scratch(run.spec, "env", create=True) as env_file:
+    with _scratch("env", create=True) as env_file:
         result = start({**environ, ENV_FILE_VAR: str(env_file)})
         if result.code != 0:
             return result
@@ -476,30 +488,36 @@ class _Record:
         ok = isinstance(previous, dict) and all(previous.get(name) == value for name, value in key.items())
         return previous if ok else None
 
-    def write(self, document: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # The hook's raw environment may hold a secret: readable by the job's user alone, and never logged.
-        write_atomically(self.path, json.dumps(document), mode=0o600 if self.private else 0o644)
+    def write(self, document: dict, log, what: str) -> None:
+        """Best effort: an unusable state folder costs a later runtime in this pod a second run, not the job."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # The hook's raw environment may hold a secret: readable by the job's user alone, and never logged.
+            write_atomically(self.path, json.dumps(document), mode=0o600 if self.private else 0o644)
+        except OSError as exc:
+            log.warning(f"could not record the {what}: a later runtime in this pod will run it again",
+                        path=str(self.path), error=exc.strerror or str(exc))
 
 
 class _scratch:
-    """A file in the state folder for one hook run, removed after it."""
+    """A file of one hook run in a private folder of its own (mode 0700, under TMPDIR), removed after it: the
+    state folder may be unusable (a read-only mount), which costs the records, not the hooks."""
 
-    def __init__(self, spec: JobSpec, kind: str, create: bool = False):
-        self.path = spec.state_dir / f"hook-{kind}-{os.getpid()}-{os.urandom(4).hex()}"
-        self.create = create
+    def __init__(self, kind: str, create: bool = False):
+        self.kind, self.create = kind, create
+        self.folder: Optional[str] = None
 
     def __enter__(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        import tempfile
+
+        self.folder = tempfile.mkdtemp(prefix="ma-hook-")
+        path = Path(self.folder) / self.kind
         if self.create:
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        return self.path
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return path
 
     def __exit__(self, *_exc) -> None:
-        try:
-            self.path.unlink()
-        except OSError:
-            pass
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _read_dump(path: Path) -> Optional[Dict[str, str]]:
@@ -519,9 +537,13 @@ def _first_file(folder: Path, names: Sequence[str]) -> Optional[Path]:
 
 
 def _sha256(path: Path) -> str:
+    """The file's content hash, "" when it cannot be read (what runs it then says why, in its own words)."""
     import hashlib  # only when there is a file to record: loading OpenSSL costs 4 ms of every start
 
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
 
 
 def debug_path(spec: JobSpec) -> Path:

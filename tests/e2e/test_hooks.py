@@ -208,6 +208,28 @@ def test_the_hook_runs_once_per_pod_and_a_later_runtime_applies_its_environment(
     assert "pre-start script already ran in this pod" in again.stderr
 
 
+@pytest.mark.parametrize("damage", [
+    lambda kept: {**kept, "env": "not an environment"},
+    lambda kept: {**kept, "env": {"set": {"MULTI": 1}, "unset": []}},
+    lambda kept: {**kept, "env": {"set": {}}},
+    lambda kept: [1, 2],
+    lambda kept: "{not json",
+])
+def test_a_damaged_record_runs_the_hook_again(job_env, tmp_path, damage):
+    env = hook_env(job_env, tmp_path, COUNT=tmp_path / "count")
+    hook = write_hook(tmp_path / "code", "ma-pre-start.sh", SH_HOOK)
+    assert run_ma(show(tmp_path), env).returncode == 0
+    path = Path(env["MA_HOME"]) / "modelarts" / ".ma-runtime" / "pre-start.json"
+    kept = json.loads(path.read_text())
+    assert kept["file"] == str(hook) and oct(path.stat().st_mode & 0o777) == "0o600"
+    damaged = damage(kept)
+    path.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    again = run_ma(show(tmp_path), {**env, "MA_PROC_START_CNT": "2"})
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "count").read_text() == "run\nrun\n"
+    assert seen(env, 2)["MULTI"] == MULTI
+
+
 def test_what_the_hook_leaves_running_is_kept_through_the_attempts_and_ended_with_the_run(job_env, tmp_path):
     env = hook_env(job_env, tmp_path, MA_RUNTIME_MAX_RESTARTS=1, FAIL_FIRST=1)
     daemon_pid = tmp_path / "daemon.pid"
@@ -367,3 +389,15 @@ def test_bad_settings_are_one_line_and_78(job_env, tmp_path, name, value):
     assert done.returncode == 78, done.stderr
     assert name in done.stderr and "Traceback" not in done.stderr
     assert len([line for line in done.stderr.splitlines() if "level=error" in line]) == 1
+
+
+def test_an_unusable_state_folder_costs_the_record_not_the_job(job_env, tmp_path):
+    env = hook_env(job_env, tmp_path, COUNT=tmp_path / "count")
+    write_hook(tmp_path / "code", "ma-pre-start.sh", SH_HOOK)
+    state = Path(env["MA_HOME"]) / "modelarts" / ".ma-runtime"
+    state.parent.mkdir(parents=True)
+    state.write_text("a file where the runtime keeps its records")
+    done = run_ma(show(tmp_path), env)
+    assert done.returncode == 0, done.stderr
+    assert seen(env, 1)["MULTI"] == MULTI
+    assert 'msg="could not record the pre-start script' in done.stderr
