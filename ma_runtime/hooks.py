@@ -448,9 +448,11 @@ def parse_env_file(text: str) -> Dict[str, str]:
         elif "=" in line:
             name, value = line.split("=", 1)
         else:
-            raise ValueError(f"line {number} is not NAME=value: {line[:80]!r}")
+            # Its words are not repeated: a line such as `API_TOKEN s3cret` would put a secret in the message.
+            raise ValueError(f"line {number} is not NAME=value (no `=`)")
         if not _NAME.match(name):
-            raise ValueError(f"line {number}: {name[:80]!r} is not a variable name")
+            raise ValueError(f"line {number}: what comes before `=` or `<<` is not a variable name (letters, digits "
+                             "and _, not starting with a digit)")
         if "\0" in value:  # no environment can hold it: exec would refuse the worker
             raise ValueError(f"line {number}: the value of {name} holds a NUL byte")
         result[name] = value

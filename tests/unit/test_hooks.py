@@ -32,7 +32,8 @@ def test_env_file_lines():
 
 @pytest.mark.parametrize("text, error", [
     ("just words\n", "line 1 is not NAME=value"),
-    ("1BAD=x\n", "line 1: '1BAD' is not a variable name"),
+    ("1BAD=x\n", "line 1: what comes before `=` or `<<` is not a variable name"),
+    ("TOKEN s3cret<<END\nx\nEND\n", "line 1: what comes before `=` or `<<` is not a variable name"),
     ("A<<END\nno end\n", "line 1: no closing 'END'"),
     ("A<<\n", "line 1: `NAME<<` needs a delimiter"),
 ])
@@ -78,6 +79,12 @@ def test_the_index_is_the_platforms_unless_the_job_chose_one():
         "--index-url", "http://repo/simple/", "--trusted-host", "repo"]
     assert hooks._index_options({"MA_PIP_URL": "http://repo/simple/", "PIP_INDEX_URL": "https://mine/"}) == []
     assert hooks._index_options({}) == []
+
+
+def test_a_bad_line_is_not_repeated_since_it_may_hold_a_secret():
+    with pytest.raises(ValueError) as caught:
+        parse_env_file("API_TOKEN s3cretvalue\n")
+    assert str(caught.value) == "line 1 is not NAME=value (no `=`)"
 
 
 def test_a_nul_in_a_value_is_refused_by_line():
