@@ -7,9 +7,10 @@ helpers (the uploader) keep the interpreter they were installed for.
 
 A sourced file (`set_env.sh`, `ma-pre-start.sh`) is read the way Spack reads one: bash sources it between two
 dumps of the environment made by a Python as JSON, so a multi-line value, an `=` in a value or odd bytes survive,
-which parsing `env` would not; the difference is what the file did. An EXIT trap takes the second dump, so a hook
-that ends with `exit 0` still counts. A `.py` hook, and a `.sh` hook too, may instead write `NAME=value` lines
-(or `NAME<<EOF` ... `EOF`) to the file named by `MA_HOOK_ENV_FILE`, GitHub Actions' `$GITHUB_ENV` contract.
+which parsing `env` would not; the difference is what the file did. An EXIT trap takes the second dump when a hook
+ends with `exit 0`; one that sets an EXIT trap of its own keeps it (it runs after the dump). A `.py` hook, and a
+`.sh` hook too, may instead write `NAME=value` lines (or `NAME<<EOF` ... `EOF`) to the file named by
+`MA_HOOK_ENV_FILE`, GitHub Actions' `$GITHUB_ENV` contract.
 
 Each runs as a worker would: its own session, its output on the console and in the task log behind a prefix
 (`[pip] `, `[set_env.sh] `, `[ma-pre-start] `), a timeout (`MA_RUNTIME_HOOK_TIMEOUT_SECONDS`: TERM, the stop grace,
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -59,12 +61,18 @@ _DUMP = ("import json,os,sys\n"
          "with open(sys.argv[1], 'w') as f: json.dump({'status': int(sys.argv[2]), 'environ': dict(os.environ)}, f)")
 # `bash -c` this, with $1.. = python, dump code, before, after, the file. The names are the shell's own
 # variables (not exported, so in neither dump); `set --` keeps our arguments from the sourced file's $1.
-_SOURCE = r"""__ma_rt_py=$1 __ma_rt_dump=$2 __ma_rt_after=$4 __ma_rt_file=$5
+# The second dump is taken when the file returns; the EXIT trap takes it for a file that ends with `exit`. A file
+# may replace that trap with its own (a cleanup): it still runs, when the shell exits after the dump.
+_SOURCE = r"""__ma_rt_py=$1 __ma_rt_dump=$2 __ma_rt_after=$4 __ma_rt_file=$5 __ma_rt_done=
 "$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$3" 0 || exit 125
 trap '__ma_rt_status=$?; trap - EXIT
-"$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$__ma_rt_after" "$__ma_rt_status"; exit "$__ma_rt_status"' EXIT
+[ -n "$__ma_rt_done" ] || "$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$__ma_rt_after" "$__ma_rt_status"
+exit "$__ma_rt_status"' EXIT
 set --
 . "$__ma_rt_file"
+__ma_rt_status=$? __ma_rt_done=1
+"$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$__ma_rt_after" "$__ma_rt_status"
+exit "$__ma_rt_status"
 """
 
 
@@ -377,8 +385,8 @@ def _source(run: _Run, script: Path, environ: Mapping[str, str], name: str, step
         if result.code != 0:
             return result
         if None in dumps:
-            result.code, result.why = 125, ("it replaced its shell (exec) or its environment could not be read: a "
-                                            "sourced script must not exec")
+            result.code, result.why = 125, ("its environment could not be read: a sourced script must not exec, "
+                                            "nor end with exit after setting an EXIT trap of its own")
             return result
         result.env = diff(dumps[0], dumps[1])
         return result
@@ -411,9 +419,8 @@ def _supervised(run: _Run, argv: Sequence[str], env: Mapping[str, str], name: st
     worker = spawn(argv, env, str(run.code_dir), sinks, [logs.stderr_sink(), *sinks[1:]], name=name,
                    console_prefix=_PREFIXES[step])
     seconds = run.spec.hooks_timeout_seconds
-    try:
-        code = worker.popen.wait(seconds)
-    except subprocess.TimeoutExpired:
+    code = _wait(worker.popen, seconds)
+    if code is None:
         run.log.warning(f"{name} timed out: stopping it", timeout_s=seconds, pid=worker.pid)
         code = _stop(worker, run.spec.stop_grace_seconds)
         worker.join_output(1.0)
@@ -427,12 +434,28 @@ def _supervised(run: _Run, argv: Sequence[str], env: Mapping[str, str], name: st
 
 def _stop(worker, grace: float) -> int:
     worker.signal_group(signal.SIGTERM)
-    try:
-        worker.popen.wait(grace)
-    except subprocess.TimeoutExpired:
+    if _wait(worker.popen, grace) is None:
         worker.signal_group(signal.SIGKILL)
         worker.popen.wait()
     return 128 - worker.popen.returncode if worker.popen.returncode < 0 else worker.popen.returncode
+
+
+def _wait(popen: subprocess.Popen, seconds: float) -> Optional[int]:
+    """Its exit status, or None after `seconds`. Blocks on a pidfd: Popen.wait(timeout) looks with sleeps of up
+    to 50 ms between, which every hook's end would wait out (a 30 ms hook took 67 ms)."""
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except (AttributeError, OSError):  # Linux before 5.3 (Python 3.9 has the call), or no such process any more
+        try:
+            return popen.wait(seconds)
+        except subprocess.TimeoutExpired:
+            return None
+    try:
+        # Readable once the process has exited (PEP 475: EINTR retried with the time left).
+        ready, _, _ = select.select([pidfd], [], [], seconds)
+    finally:
+        os.close(pidfd)
+    return popen.wait() if ready else None
 
 
 def parse_env_file(text: str) -> Dict[str, str]:

@@ -401,3 +401,24 @@ def test_an_unusable_state_folder_costs_the_record_not_the_job(job_env, tmp_path
     assert done.returncode == 0, done.stderr
     assert seen(env, 1)["MULTI"] == MULTI
     assert 'msg="could not record the pre-start script' in done.stderr
+
+
+def test_a_hook_with_an_exit_trap_of_its_own_still_hands_over_its_environment(job_env, tmp_path):
+    # A hook that cleans up after itself (`trap 'rm ...' EXIT`) replaces the runtime's trap: its exports must
+    # still reach the command, and its own trap must still run when its shell ends.
+    env = hook_env(job_env, tmp_path)
+    scratch = tmp_path / "scratch"
+    write_hook(tmp_path / "code", "ma-pre-start.sh",
+               f"touch {scratch}\ntrap 'rm -f {scratch}' EXIT\nexport ORDER=trapped\n")
+    done = run_ma(show(tmp_path), env)
+    assert done.returncode == 0, done.stderr
+    assert seen(env, 1)["ORDER"] == "trapped"
+    assert not scratch.exists()
+
+
+def test_a_hook_that_exits_after_replacing_the_exit_trap_is_told_why(job_env, tmp_path):
+    env = hook_env(job_env, tmp_path)
+    write_hook(tmp_path / "code", "ma-pre-start.sh", "trap 'echo bye' EXIT\nexport ORDER=x\nexit 0\n")
+    done = run_ma(show(tmp_path), env)
+    assert done.returncode == 85, done.stderr
+    assert "EXIT trap of its own" in termination(env)["reason"]

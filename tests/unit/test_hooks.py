@@ -90,3 +90,28 @@ def test_a_bad_line_is_not_repeated_since_it_may_hold_a_secret():
 def test_a_nul_in_a_value_is_refused_by_line():
     with pytest.raises(ValueError, match="line 2: the value of B holds a NUL byte"):
         parse_env_file("A=1\nB=x\0y\n")
+
+
+def test_a_hooks_end_is_waited_for_without_polling(monkeypatch):
+    # Popen.wait(timeout) sleeps up to 50 ms between looks: every hook's end would wait that out.
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(["sleep", "0.05"])
+
+    def no_sleeping(_seconds):
+        raise AssertionError("polled")
+
+    monkeypatch.setattr(time, "sleep", no_sleeping)
+    assert hooks._wait(proc, 30) == 0
+
+
+def test_waiting_for_a_hook_gives_up_at_the_timeout():
+    import subprocess
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert hooks._wait(proc, 0.1) is None
+    finally:
+        proc.kill()
+        proc.wait()
