@@ -356,6 +356,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "default)", 8118, cli=False),
     Setting("master_resolve_seconds", "MA_RUNTIME_MASTER_RESOLVE_SECONDS", _seconds, "how long to wait for "
             "worker-0's name to resolve (msrun wants its IP)", 120.0, cli=False),
+    Setting("peer_wait_seconds", "MA_RUNTIME_PEER_WAIT_SECONDS", _seconds, "how long a node waits for the "
+            "other nodes it needs to answer (mpirun's worker-0 for every sshd, a watcher for what it watches)",
+            600.0, cli=False),
     Setting(
         "skip_image_detect",
         "MA_SKIP_IMAGE_DETECT",
@@ -453,6 +456,7 @@ class JobSpec:
     msrun_cluster_time_out: int
     msrun_master_port: int
     master_resolve_seconds: float
+    peer_wait_seconds: float
     log_url: Optional[str]
     sync_interval_seconds: float
     sync_log_interval_seconds: float

@@ -1,0 +1,184 @@
+"""The other nodes of a multi-node job: waiting until they answer, and seeing them go.
+
+Two uses, one notion of "a node answers": its host name resolves (IPv4) and a real TCP connect to its port
+succeeds. Not `ping` (absent from most images), not bash's `/dev/tcp` (the platform's run_mpi.sh got it wrong:
+`[ cat < /dev/null >/dev/tcp/... ]` tests a string, never connects).
+
+- `reach_all`, in the runtime's stage thread: worker-0 of an mpirun job waits until every node's sshd answers
+  before it starts mpirun, bounded, each wait logged, 81 naming the node that never answered.
+- The watcher, a program run as a plan's worker (`watcher_argv`): a node that has nothing to run by itself (an
+  mpirun peer, whose ranks come through its sshd) or whose command never ends by itself (a TensorFlow parameter
+  server) watches the nodes its job depends on, and ends when they are gone: an endpoint that answered once and
+  then failed GONE_AFTER probes in a row, PERIOD_S apart. With a command it wraps, it ends the command then and
+  exits 0 (the others finished); the command's own exit decides first. It stays out of the signal regime: the
+  supervisor signals the whole process group once (the command too), and the watcher then only waits for the
+  command and exits with its status.
+"""
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence, Tuple
+
+from ma_runtime.errors import ExitCode, LaunchTimedOut
+
+PERIOD_S = 1.0
+GONE_AFTER = 3  # probes in a row: one lost SYN is not a node gone
+CONNECT_TIMEOUT_S = 2.0
+# Backoff of the waits for a node to appear: quick at first (pods start together), then every 2 s.
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.25, 2.0
+# The watched command gets this long between SIGTERM and SIGKILL once the others are gone.
+COMMAND_GRACE_S = 10.0
+_PREFIX = "ma-runtime: "
+
+Endpoint = Tuple[str, int]
+
+
+def probe(host: str, port: int) -> Tuple[Optional[str], str]:
+    """(the host's IPv4 address, "") when a TCP connect to it succeeds, else (None, why)."""
+    try:
+        address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return None, "does not resolve"
+    try:
+        with socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S):
+            return address, ""
+    except socket.timeout:
+        return None, f"{address}:{port} does not answer"
+    except OSError as exc:
+        return None, f"{address}:{port} refuses connections ({exc.strerror or exc})"
+
+
+def reach_all(endpoints: Sequence[Endpoint], seconds: float, log, stopped: threading.Event) -> List[str]:
+    """Each endpoint's IPv4 address, in order, once each has answered a TCP connect; LaunchTimedOut (81) naming
+    the first that did not within `seconds` in all. [] when `stopped` is set meanwhile (the caller has seen the
+    signal)."""
+    deadline = time.monotonic() + seconds
+    addresses = []
+    for host, port in endpoints:
+        pause, tries = FIRST_PAUSE_S, 0
+        while True:
+            address, why = probe(host, port)
+            if address is not None:
+                addresses.append(address)
+                break
+            tries += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaunchTimedOut(f"node {host} did not answer on port {port} within {seconds:g} s ({why})",
+                                     hint="check that its container runs and its sshd started (its task log), "
+                                          "and VC_WORKER_HOSTS; MA_RUNTIME_PEER_WAIT_SECONDS sets the wait")
+            log.info("waiting for a node", host=host, port=port, why=why, tries=tries, wait_s=round(pause, 2))
+            if stopped.wait(min(pause, left)):
+                return []
+            pause = min(pause * 2, MAX_PAUSE_S)
+    return addresses
+
+
+def watcher_argv(endpoints: Sequence[Endpoint], appear_seconds: float, command: Sequence[str] = ()) -> List[str]:
+    """The watcher program's command line, on the runtime's own interpreter (isolated when the runtime is)."""
+    isolated = ["-I"] if sys.flags.isolated else []
+    argv = [sys.executable, *isolated, "-m", __name__, "--until-gone", *(f"{host}:{port}" for host, port in
+                                                                           endpoints),
+            "--appear-seconds", f"{appear_seconds:g}"]
+    return argv + ["--", *command] if command else argv
+
+
+def _endpoint(text: str) -> Endpoint:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    return host, int(port)
+
+
+class _Watch:
+    """The watcher's state: which endpoints have answered, and each one's failures in a row since."""
+
+    def __init__(self, endpoints: Sequence[Endpoint]):
+        self.endpoints = list(endpoints)
+        self.seen = set()
+        self.failures = {endpoint: 0 for endpoint in self.endpoints}
+
+    def look(self) -> None:
+        for endpoint in self.endpoints:
+            if endpoint in self.seen and self.failures[endpoint] >= GONE_AFTER:
+                continue  # gone stays gone: a later answer is someone else (a restarted pod is a new job run)
+            address, _ = probe(*endpoint)
+            if address is not None:
+                self.seen.add(endpoint)
+                self.failures[endpoint] = 0
+            else:
+                self.failures[endpoint] += 1
+
+    def missing(self) -> List[Endpoint]:
+        return [endpoint for endpoint in self.endpoints if endpoint not in self.seen]
+
+    def all_gone(self) -> bool:
+        return not self.missing() and all(count >= GONE_AFTER for count in self.failures.values())
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(_PREFIX + text + "\n")
+    sys.stderr.flush()
+
+
+def _status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ma_runtime.launch.peers")
+    parser.add_argument("--until-gone", nargs="+", type=_endpoint, required=True, metavar="HOST:PORT")
+    parser.add_argument("--appear-seconds", type=float, required=True)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    stop = threading.Event()
+    # A stop reaches the whole group at once (the supervisor's killpg): the command has it already.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    child = subprocess.Popen(command) if command else None
+    code = _watch(_Watch(args.until_gone), args.appear_seconds, child, stop)
+    return code
+
+
+def _watch(watch: _Watch, appear_seconds: float, child: Optional[subprocess.Popen], stop: threading.Event) -> int:
+    deadline = time.monotonic() + appear_seconds
+    while True:
+        if child is not None and child.poll() is not None:
+            return _status(child.returncode)  # the command's own end decides
+        if stop.is_set():
+            return _status(child.wait()) if child is not None else 128 + signal.SIGTERM
+        watch.look()
+        if watch.all_gone():
+            _say("every node watched has finished: " + ", ".join(f"{h}:{p}" for h, p in watch.endpoints))
+            if child is not None:
+                _end(child)
+            return 0
+        missing = watch.missing()
+        if missing and time.monotonic() >= deadline:
+            host, port = missing[0]
+            _say(f"{host}:{port} never answered within {appear_seconds:g} s (MA_RUNTIME_PEER_WAIT_SECONDS)")
+            if child is not None:
+                _end(child)
+            return ExitCode.TIMED_OUT
+        stop.wait(PERIOD_S)
+
+
+def _end(child: subprocess.Popen) -> None:
+    if child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(COMMAND_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""launch/peers.py with real sockets and real processes: waiting for nodes to answer, and the watcher."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ma_runtime.errors import LaunchTimedOut
+from ma_runtime.launch import peers
+from tests.conftest import alive, wait_for_file
+from tests.recording import Log
+
+
+def listener() -> socket.socket:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    return server
+
+
+def closed_port() -> int:
+    with listener() as server:
+        return server.getsockname()[1]
+
+
+def test_every_node_answers_its_address_in_order():
+    with listener() as first, listener() as second:
+        ports = [first.getsockname()[1], second.getsockname()[1]]
+        assert peers.reach_all([("localhost", ports[0]), ("127.0.0.1", ports[1])], 5, Log(),
+                               threading.Event()) == ["127.0.0.1", "127.0.0.1"]
+
+
+def test_a_node_that_comes_up_late_is_waited_for_and_each_wait_logged():
+    port = closed_port()
+    server = socket.socket()
+    timer = threading.Timer(0.6, lambda: (server.bind(("127.0.0.1", port)), server.listen(1)))
+    timer.start()
+    log = Log()
+    try:
+        assert peers.reach_all([("127.0.0.1", port)], 30, log, threading.Event()) == ["127.0.0.1"]
+    finally:
+        timer.join()
+        server.close()
+    waits = log.fields("waiting for a node", "info")
+    assert waits and "refuses connections" in waits[0]["why"] and waits[0]["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("host, why", [("no-such-node.invalid", "does not resolve"),
+                                       ("127.0.0.1", "refuses connections")])
+def test_a_node_that_never_answers_times_out_naming_it(host, why):
+    with pytest.raises(LaunchTimedOut) as raised:
+        peers.reach_all([(host, closed_port())], 0.5, Log(), threading.Event())
+    assert f"node {host} did not answer" in str(raised.value) and why in str(raised.value)
+    assert raised.value.exit_code == 81
+
+
+def test_a_stop_ends_the_wait():
+    stopped = threading.Event()
+    threading.Timer(0.3, stopped.set).start()
+    assert peers.reach_all([("127.0.0.1", closed_port())], 60, Log(), stopped) == []
+
+
+def watcher(endpoints, appear, command=(), **kwargs):
+    return subprocess.Popen(peers.watcher_argv(endpoints, appear, command), stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+
+
+def test_the_watcher_ends_its_command_and_succeeds_once_the_watched_node_is_gone(tmp_path):
+    pid_file = tmp_path / "ps.pid"
+    server = listener()
+    proc = watcher([("127.0.0.1", server.getsockname()[1])], 30,
+                   ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 300"])
+    wait_for_file(pid_file)
+    time.sleep(1.5)  # seen answering by now
+    assert proc.poll() is None  # the node still answers: the command keeps running
+    server.close()
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "ma-runtime: every node watched has finished: 127.0.0.1:" in stderr
+    assert not alive(int(pid_file.read_text()))
+
+
+def test_without_a_command_the_watcher_just_ends_when_the_node_goes():
+    server = listener()
+    proc = watcher([("127.0.0.1", server.getsockname()[1])], 30)
+    time.sleep(1.5)
+    server.close()
+    assert proc.wait(30) == 0
+
+
+def test_a_node_that_never_appears_ends_the_watcher_with_81_naming_it():
+    port = closed_port()
+    proc = watcher([("127.0.0.1", port)], 1, ["sleep", "300"])
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 81
+    assert f"ma-runtime: 127.0.0.1:{port} never answered within 1 s (MA_RUNTIME_PEER_WAIT_SECONDS)" in stderr
+
+
+def test_the_commands_own_exit_decides_first():
+    with listener() as server:
+        proc = watcher([("127.0.0.1", server.getsockname()[1])], 30, [sys.executable, "-c", "raise SystemExit(3)"])
+        assert proc.wait(30) == 3
+
+
+def test_a_stop_to_the_group_is_the_commands_and_the_watcher_reports_its_status(tmp_path):
+    pid_file = tmp_path / "ps.pid"
+    with listener() as server:
+        proc = watcher([("127.0.0.1", server.getsockname()[1])], 30,
+                       ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 300"], start_new_session=True)
+        wait_for_file(pid_file)
+        os.killpg(proc.pid, signal.SIGTERM)  # as the supervisor stops a worker: once, to the group
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    assert not alive(int(pid_file.read_text()))
+
+
+def test_a_bad_endpoint_is_refused():
+    done = subprocess.run([sys.executable, "-m", "ma_runtime.launch.peers", "--until-gone", "host-without-port",
+                           "--appear-seconds", "1"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "not HOST:PORT" in done.stderr
