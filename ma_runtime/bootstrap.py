@@ -111,8 +111,9 @@ class _Prepared:
 
 
 def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], context: "_Context",
-             _stopped: threading.Event) -> _Prepared:
-    """Preflight, stage-in, the hooks, the rank table: once per run, in the stage thread."""
+             stopped: threading.Event) -> _Prepared:
+    """Preflight, stage-in, the hooks, the rank table, the launcher's services: once per run, in the stage
+    thread."""
     from ma_runtime import hooks
 
     _preflight(spec, log)
@@ -128,7 +129,19 @@ def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], cont
 
         rank_table = ranktable.prepare(spec, os.environ, log)
         staged.env.update(rank_table.env)
-    return _Prepared(staged, changes.apply(os.environ), rank_table)
+    environ = changes.apply(os.environ)
+    _start_services(spec, _worker_env(spec, context.run_id, first.number, environ), log, context, stopped)
+    return _Prepared(staged, environ, rank_table)
+
+
+def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, context: "_Context",
+                    stopped: threading.Event) -> None:
+    """What the launcher keeps running for the whole run (mpirun's sshd), after the hooks, whose PATH applies;
+    its output on the console and in the task log, like a hook's."""
+    from ma_runtime.launch.base import start_services
+
+    sinks = [logs.stderr_sink(), *([context.task_log.as_console()] if context.task_log is not None else [])]
+    start_services(registry.launcher(plan_module.choose(spec)[0]), spec, environ, log, stopped, sinks)
 
 
 class _Stopped(RuntimeFailure):
@@ -390,12 +403,23 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
 
 
 def _plan(spec: spec_module.JobSpec, command: Sequence[str], prepared: _Prepared, attempt,
-          _stopped: threading.Event) -> plan_module.Plan:
+          stopped: threading.Event) -> plan_module.Plan:
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
     argv = build_argv(command, [*prepared.staged.arguments, *spec.hyperparameters])
     resolve = functools.partial(resolve_until, seconds=spec.master_resolve_seconds)
+    log = logs.get_logger()
+
+    def reach(endpoints):  # mpirun's worker-0 waits for every node's sshd (launch/peers.py)
+        from ma_runtime.launch import peers
+
+        return peers.reach_all(endpoints, spec.peer_wait_seconds, log, stopped)
+
+    # What the stages set or changed for the workers: the hooks' exports, stage-in's variables.
+    exported = {*prepared.staged.env, *(name for name, value in prepared.environ.items()
+                                        if os.environ.get(name) != value)}
     plan = plan_module.build(spec, plan_module.Context(argv, prepared.environ, prepared.rank_table, resolve,
-                                                       attempt=attempt.number))
+                                                       attempt=attempt.number, reach=reach,
+                                                       exported=tuple(sorted(exported))))
     for warning in plan.warnings:
         logs.get_logger().warning(warning)
     return plan
@@ -564,6 +588,7 @@ def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, op
     stdout, stderr = Sink(1, "<stdout>"), logs.stderr_sink()
     task_log = context.task_log.as_console() if several else context.task_log
     workers: List[Worker] = []
+    _write_files(plan)
     try:
         for planned in plan.workers:
             proc_log = _proc_log(planned, attempt)
@@ -597,6 +622,20 @@ def _follow_rank_logs(folder: Optional[str], context: _Context, extra_sinks: Seq
     follower = LogFollower(Path(folder), [Sink(1, "<stdout>"), context.task_log, *extra_sinks])
     follower.start()
     return follower
+
+
+def _write_files(plan) -> None:
+    """The files the plan's processes read (mpirun's hostfile), whole before any starts."""
+    from ma_runtime.files import write_atomically
+
+    for planned in plan.workers:
+        for path, text in planned.files.items():
+            try:
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                write_atomically(path, text)
+            except OSError as exc:
+                raise ConfigError(f"cannot write {path}: {exc.strerror or exc}",
+                                  hint="the runtime's state folder in MA_MOUNT_PATH must be writable") from None
 
 
 def _proc_log(planned, attempt) -> Optional[Sink]:

@@ -60,6 +60,16 @@ def end_helper(pid: int) -> None:
         _HELPERS.discard(pid)
 
 
+def start_service(start: Callable[[], T]) -> T:
+    """A child the runtime starts as the job's service (mpirun's sshd): registered before the reaping loop can
+    look, never the command's (no stop, sweep or hang check of an attempt touches it), alive across attempts,
+    and swept with everything else when the run ends."""
+    with LOCK:
+        proc = start()
+        _SERVICES.add(proc.pid)
+    return proc
+
+
 def adopt_services(exclude: Iterable[int] = ()) -> List[int]:
     """Every descendant of ours now (but `exclude`, helpers and owned tools) becomes a service: called when the
     pre-start hook has exited and before any command runs, so what is left is what the hook started."""

@@ -36,6 +36,16 @@ def build_argv(command: Sequence[str], pairs: Sequence[Tuple[str, str]]) -> List
     return [SHELL, "-c", script]
 
 
+def append_words(argv: Sequence[str], words: Sequence[str]) -> List[str]:
+    """`argv` as build_argv made it, with more words for the command (a launcher's own arguments): in the shell
+    form, shell-quoted after the last word of the last simple command, like the others; else at the end."""
+    if not words:
+        return list(argv)
+    if len(argv) == 3 and argv[0] == SHELL and argv[1] == "-c":
+        return [SHELL, "-c", insert_after_last_word(argv[2], " ".join(shlex.quote(word) for word in words))]
+    return [*argv, *words]
+
+
 def insert_after_last_word(script: str, text: str) -> str:
     end = _end_of_last_word(script)
     if end is None:

@@ -1,6 +1,6 @@
 """What every launcher shares: the plan's shape, the context it is built from, and the lookups they all make.
 
-A launcher is one module beside this one (plain, rtf, torchrun, msrun), listed
+A launcher is one module beside this one (plain, rtf, torchrun, msrun, mpirun, pytorch_gpu, tensorflow_gpu), listed
 in registry.METHODS, with the same interface:
 
 - `NAME`: its MA_RUN_METHOD value;
@@ -19,7 +19,10 @@ in registry.METHODS, with the same interface:
 - `root_cause(lines) -> Optional[RootCause]`: the rank that failed first, from
   the launcher's output tail, where the launcher's own exit code hides it;
 - `rank_logs(plan) -> Optional[str]`: the folder its ranks write
-  `worker_<rank>.log` to, where they write nowhere the runtime already reads.
+  `worker_<rank>.log` to, where they write nowhere the runtime already reads;
+- optionally `start_services(spec, environ, log, stopped, sinks) -> None`: what
+  it keeps running for the whole run, apart from the command (mpirun's sshd),
+  started once after the hooks (`start_services` below calls it).
 
 The attempt number lives in `Context`, not in the spec: the run builds the plan
 again for each attempt, and `MA_PROC_START_CNT` and per-attempt log folders come
@@ -48,10 +51,12 @@ class WorkerPlan:
     cwd: Optional[str] = None  # None: the runtime's own
     logs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     rank: Optional[int] = None
+    # {path: text}: files the process reads (mpirun's hostfile), written by the run right before it starts.
+    files: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"name": self.name, "argv": list(self.argv), "env": dict(self.env), "cwd": self.cwd,
-                "logs": dict(self.logs), "rank": self.rank}
+                "logs": dict(self.logs), "rank": self.rank, "files": dict(self.files)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,11 @@ class Context:
     # (name, PATH) -> full path; shutil.which's second positional parameter is `mode`, not the PATH.
     which: Callable[[str, Optional[str]], Optional[str]] = lambda name, path=None: shutil.which(name, path=path)
     attempt: int = 1  # which start of the command this plan is for, counting from 1 (MA_PROC_START_CNT)
+    # [(host, port)] -> their IPv4 addresses, once each answers a TCP connect (the run waits, bounded:
+    # peers.reach_all); by default no wait and the names themselves, so that `ma-runtime plan` never waits.
+    reach: Callable[[Sequence[Tuple[str, int]]], List[str]] = lambda endpoints: [host for host, _ in endpoints]
+    # The names the runtime's stages set or changed for the workers: the hooks' exports, stage-in's variables.
+    exported: Tuple[str, ...] = ()
 
 
 class RootCause(NamedTuple):
@@ -130,6 +140,16 @@ def check_node_rank(spec) -> None:
                           hint="this node's index counts from 0 among the job's nodes")
 
 
+def check_once_per_node(spec, why: str, starter: str) -> None:
+    """A launch that runs the command once per node refuses a MA_RUNTIME_NPROC_PER_NODE asking for more, rather
+    than ignoring it; `starter` says who starts the processes instead."""
+    if spec.nproc_per_node not in (None, 1):
+        raise ConfigError(f"MA_RUNTIME_NPROC_PER_NODE={spec.nproc_per_node} asks for {spec.nproc_per_node} "
+                          f"processes per node, but {why} runs the command once per node: {starter}",
+                          hint="unset MA_RUNTIME_NPROC_PER_NODE, or set MA_RUN_METHOD=torchrun to have the runtime "
+                               "start several processes per node")
+
+
 def find_launcher(context: Context, name: str, package: str) -> str:
     """The launcher beside the command's Python first (installed with it, it runs with it), then on PATH."""
     folder = python_folder(context)
@@ -163,3 +183,10 @@ def no_root_cause(lines: Sequence[str]) -> Optional[RootCause]:
 
 def no_rank_logs(plan: Plan) -> Optional[str]:
     return None
+
+
+def start_services(launcher, spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[Any]) -> None:
+    """The launcher's services (the optional trait): most launchers have none."""
+    start = getattr(launcher, "start_services", None)
+    if start is not None:
+        start(spec, environ, log, stopped, sinks)

@@ -1,7 +1,8 @@
 """From the job to the processes to start: a pure function, printed by `ma-runtime plan --json`.
 
 The method (README, "Launchers"):
-- `MA_RUN_METHOD` (env or job file `run_method`) names it: `torchrun`, `msrun`, or
+- `MA_RUN_METHOD` (env or job file `run_method`) names it: `torchrun`, `msrun`, `mpirun`, the
+  platform's GPU presets `pytorch-gpu` and `tensorflow-gpu` (the command with the arguments they append), or
   ma_runtime's own `rtf` (one process per local NPU, the rank-table file launch) and
   `plain` (the command once);
 - unset, an NPU job gets `rtf`: NPU device nodes (davinci<N>) under the device
@@ -21,7 +22,7 @@ from the torchrun flags that will run, MA_EXTRA_TORCHRUN_PARAMS included.
 A launcher is looked for beside the command's Python first, then on PATH: a
 venv's `python` comes with its own torchrun or msrun, which runs with that venv.
 
-Each method is one module (plain, rtf, torchrun, msrun; their interface in
+Each method is one module (plain, rtf, torchrun, msrun, mpirun, pytorch_gpu, tensorflow_gpu; their interface in
 base.py), found through registry.py; this module chooses the method, asks its
 module for the plan, and adds the warnings. The names other modules import from
 here (Plan, Context, the method names, ...) are re-exported from base.py.
@@ -116,4 +117,7 @@ def render(document: Mapping[str, Any]) -> str:
         if worker["cwd"]:
             lines.append(f"  cwd  {worker['cwd']}")
         lines += [f"  log  {kind}: {path}" for kind, path in worker["logs"].items()]
+        for path, text in worker.get("files", {}).items():
+            lines.append(f"  file {path}")
+            lines += [f"       {line}" for line in text.splitlines()]
     return "\n".join(lines) + "\n"

@@ -668,8 +668,9 @@ def test_plan_to_dict_has_the_documented_shape(job, tmp_path):
         assert (document["nodes"], document["processes_per_node"]) == (result.nodes, result.processes_per_node)
         assert len(document["workers"]) == len(result.workers)
         for entry, worker in zip(document["workers"], result.workers):
-            assert set(entry) == {"name", "argv", "env", "cwd", "logs", "rank"}
+            assert set(entry) == {"name", "argv", "env", "cwd", "logs", "rank", "files"}
             assert entry["argv"] == list(worker.argv) and entry["env"] == dict(worker.env)
+            assert entry["files"] == dict(worker.files)
             assert entry["cwd"] is None and entry["logs"] == dict(worker.logs) and entry["rank"] == worker.rank
 
 
