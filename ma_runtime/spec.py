@@ -182,6 +182,21 @@ def _path(text: str) -> Path:
     return Path(str(text)).expanduser()
 
 
+# NCCL_SOCKET_IFNAME's syntax: interface names or prefixes, comma-separated, `^` excluding, `=` matching exactly.
+_INTERFACES = re.compile(r"[\^=]?[A-Za-z0-9_.:@-]{1,64}(,[A-Za-z0-9_.:@-]{1,64})*\Z")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}\Z")
+
+
+def _env_names(text: str) -> Tuple[str, ...]:
+    """`HF_TOKEN,WANDB_API_KEY`: environment variable names, comma-separated."""
+    names = tuple(dict.fromkeys(word.strip() for word in str(text).split(",") if word.strip()))
+    bad = [name for name in names if not _ENV_NAME.match(name)]
+    if bad:
+        raise BadValue(f"has {bad[0][:_SHOWN_CHARS]!r}, not a variable name; expected names such as HF_TOKEN, "
+                       "separated by commas")
+    return names
+
+
 def _matching(pattern: "re.Pattern[str]", what: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = str(text).strip()
@@ -341,7 +356,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("ranktable_timeout", "MA_RUNTIME_RANKTABLE_TIMEOUT", _seconds, "how long to wait for the rank "
             "table's status=completed, seconds", 1800.0, cli=False),
     Setting("run_method", "MA_RUN_METHOD", _choice(launch_registry.METHODS), "launch method: "
-            "torchrun, msrun, rtf (one process per NPU) or plain (once); unset: rtf on NPU jobs, else plain",
+            "torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, rtf (one process per NPU) or plain (once); "
+            "unset: rtf on NPU jobs, else plain",
             cli=False),
     Setting("worker_hosts", "VC_WORKER_HOSTS", str, "the job's node domain names, comma-separated, worker-0 first",
             "", cli=False),
@@ -354,11 +370,24 @@ SETTINGS: Tuple[Setting, ...] = (
             "--cluster_time_out, seconds", 600, cli=False),
     Setting("msrun_master_port", "MA_RUNTIME_MSRUN_MASTER_PORT", _port, "msrun's --master_port (its own "
             "default)", 8118, cli=False),
+    Setting("init_method_port", "MA_RUNTIME_INIT_METHOD_PORT", _port, "the port of pytorch-gpu's --init_method "
+            "(PyTorch's usual MASTER_PORT)", 29500, cli=False),
     Setting("master_resolve_seconds", "MA_RUNTIME_MASTER_RESOLVE_SECONDS", _seconds, "how long to wait for "
             "worker-0's name to resolve (msrun wants its IP)", 120.0, cli=False),
     Setting("peer_wait_seconds", "MA_RUNTIME_PEER_WAIT_SECONDS", _seconds, "how long a node waits for the "
             "other nodes it needs to answer (mpirun's worker-0 for every sshd, a watcher for what it watches)",
             600.0, cli=False),
+    Setting("sshd_port", "MY_SSHD_PORT", _port, "the port of the sshd every node of a multi-node mpirun job "
+            "starts (the platform's run_mpi.sh default)", 36666, cli=False),
+    Setting("mpi_slots", "MY_MPI_SLOTS", _integer(1, 1024), "mpirun's processes per node (default: "
+            "MA_RUNTIME_NPROC_PER_NODE, else MA_NUM_GPUS, at least 1)", None, cli=False),
+    Setting("mpi_btl_tcp_if", "MY_MPI_BTL_TCP_IF", _matching(_INTERFACES, "list of network interfaces"),
+            "the interfaces NCCL uses under mpirun (NCCL_SOCKET_IFNAME, unless the job sets that)", "eth0,bond0",
+            cli=False),
+    Setting("extra_mpirun_params", "MA_RUNTIME_EXTRA_MPIRUN_PARAMS", str, "extra mpirun arguments, after the "
+            "runtime's and before the command", "", cli=False),
+    Setting("mpi_export", "MA_RUNTIME_MPI_EXPORT", _env_names, "more variables mpirun passes to every rank "
+            "by name (-x NAME); the only way to pass one named like a secret", (), cli=False),
     Setting(
         "skip_image_detect",
         "MA_SKIP_IMAGE_DETECT",
@@ -455,8 +484,14 @@ class JobSpec:
     ms_ranktable_enable: bool
     msrun_cluster_time_out: int
     msrun_master_port: int
+    init_method_port: int
     master_resolve_seconds: float
     peer_wait_seconds: float
+    sshd_port: int
+    mpi_slots: Optional[int]
+    mpi_btl_tcp_if: str
+    extra_mpirun_params: str
+    mpi_export: Tuple[str, ...]
     log_url: Optional[str]
     sync_interval_seconds: float
     sync_log_interval_seconds: float

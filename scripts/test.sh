@@ -50,10 +50,12 @@ debian_base_image() {  # local/debian:bookworm from Debian's own packages, the m
 
 image_test_tools || echo "the image test's setup failed: tests/e2e/test_image.py will skip" >&2
 
-# The sshd example hook (hooks/mpi-sshd) is tested with the real sshd; without it those tests skip.
-if ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server openssh-client \
-    >/dev/null || echo "openssh-server not installed: the sshd hook's tests will skip" >&2
+# The mpirun launcher and the sshd example hook (hooks/mpi-sshd) are tested with the real Open MPI, sshd and ssh;
+# without them those tests skip. mpi4py's wheel (below) loads Open MPI's libmpi.so.40: no compiler, no -dev package.
+if { ! command -v mpirun >/dev/null || { ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]; }; } \
+  && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openmpi-bin \
+    openssh-server openssh-client >/dev/null || echo "Open MPI or OpenSSH not installed: the mpirun and sshd tests will skip" >&2
 fi
 
 setup() {  # setup PYTHON VENV
@@ -69,6 +71,7 @@ setup python3 .venv
 # downloads gigabytes of CUDA packages) in the test venv, MindSpore in a venv of its own, as a
 # job's interpreter apart from the runtime's.
 .venv/bin/python -m pip install --quiet torch==2.13.0
+.venv/bin/python -m pip install --quiet mpi4py || echo "mpi4py not installed: the mpirun tests will skip" >&2
 if [ ! -x .venv-ms/bin/msrun ]; then
   python3 -m venv .venv-ms
   .venv-ms/bin/python -m pip install --quiet mindspore==2.10.0

@@ -7,8 +7,9 @@
 # non-zero status stops the job (exit 85). So it returns, never exits, and leaves no helper
 # variable or function behind in the shell that sourced it.
 #
-# This is for images that run mpirun from their own script today. The runtime's own mpirun
-# launcher (the next issue) will start sshd itself; drop this hook then.
+# This is for images that run mpirun from their own script. With the runtime's own mpirun
+# launcher (MA_RUN_METHOD=mpirun), which starts sshd itself, do not use it: the two would
+# want the same port.
 #
 # Decisions:
 # - Port: MY_SSHD_PORT, default 36666, the default of the platform's run_mpi.sh, so that this

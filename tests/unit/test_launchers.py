@@ -43,20 +43,20 @@ def launcher_modules():
     for info in pkgutil.iter_modules([str(LAUNCH_FOLDER)]):
         module = importlib.import_module(f"ma_runtime.launch.{info.name}")
         if info.name != "plan" and hasattr(module, "build"):
-            names.add(info.name)
+            names.add(info.name.replace("_", "-"))  # pytorch_gpu.py is the pytorch-gpu launcher
     return names
 
 
 def test_the_registry_lists_every_launcher_module_and_nothing_else():
     assert launcher_modules() == set(registry.METHODS)
-    assert registry.METHODS == ("rtf", "torchrun", "msrun", "plain")
+    assert registry.METHODS == ("rtf", "torchrun", "msrun", "mpirun", "pytorch-gpu", "tensorflow-gpu", "plain")
     assert plan_module.METHODS == registry.METHODS
 
 
 @pytest.mark.parametrize("name", registry.METHODS)
 def test_each_launcher_has_the_whole_interface(name):
     module = registry.launcher(name)
-    assert module.__name__ == f"ma_runtime.launch.{name}" and name == module.NAME
+    assert module.__name__ == f"ma_runtime.launch.{name.replace('-', '_')}" and name == module.NAME
     assert isinstance(module.TAKES_NPROC_PER_NODE, bool)
     assert isinstance(module.OWN_CODE_AFTER_STOP, bool)
     for function in ("build", "forwards_to", "root_cause", "rank_logs"):
@@ -64,7 +64,7 @@ def test_each_launcher_has_the_whole_interface(name):
 
 
 def test_an_unknown_launcher_is_refused_by_name():
-    with pytest.raises(ValueError, match="bogus.*rtf, torchrun, msrun, plain"):
+    with pytest.raises(ValueError, match="bogus.*rtf, torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, plain"):
         registry.launcher("bogus")
     with pytest.raises(ValueError):
         registry.launcher("base")  # a module of launch/, not a launcher
@@ -84,7 +84,8 @@ def test_a_bogus_method_is_one_line_naming_the_valid_ones(job_env):
                             text=True, timeout=60)
     assert result.returncode == 78 and result.stdout == ""
     (line,) = result.stderr.splitlines()
-    assert "MA_RUN_METHOD='bogus' must be one of rtf, torchrun, msrun, plain" in line
+    assert ("MA_RUN_METHOD='bogus' must be one of rtf, torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, "
+            "plain") in line
     assert "Traceback" not in result.stderr
 
 

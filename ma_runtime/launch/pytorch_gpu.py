@@ -1,0 +1,57 @@
+"""The PyTorch-GPU preset: the command once per node, with the platform's `--init_method` appended, and on
+several nodes `--rank` and `--world_size` too.
+
+The platform's forms (docs/platform.md, "PyTorch-GPU preset"):
+- one node:  `<command> --init_method tcp://<worker-0>:<port>`;
+- several:   `<command> --init_method tcp://<worker-0>:<port> --rank <VC_TASK_INDEX> --world_size <MA_NUM_HOSTS>`.
+`--world_size` is the NODE count and `--rank` the node's index: the boot file starts its own processes (the
+platform's sample mp.spawns one per GPU and multiplies both by its GPU count), so the runtime starts the command
+once whatever MA_NUM_GPUS says.
+
+Worker-0 (D36): 127.0.0.1 on one node (nothing to resolve, the rendezvous stays in the container); on several,
+worker-0's name (base.master_host), which torch resolves itself when it connects. The port is
+MA_RUNTIME_INIT_METHOD_PORT: the platform's documents give none.
+
+It forwards nothing: what the command spawns stays in its process group, which the supervisor signals once; the
+exit code is the command's own.
+"""
+
+from typing import List
+
+from ma_runtime.launch.args import append_words
+from ma_runtime.launch.base import (
+    Context,
+    Plan,
+    WorkerPlan,
+    check_node_rank,
+    check_once_per_node,
+    common_env,
+    forwards_nothing,
+    master_host,
+    no_rank_logs,
+    no_root_cause,
+)
+
+NAME = "pytorch-gpu"
+TAKES_NPROC_PER_NODE = False  # the boot file's own mp.spawn decides; a setting that asks for more is an error
+OWN_CODE_AFTER_STOP = True  # after a stop: the command's own
+LOCAL_HOST = "127.0.0.1"
+
+
+def build(spec, context: Context, why: str) -> Plan:
+    check_once_per_node(spec, why, "the boot file starts its own processes (mp.spawn, one per GPU)")
+    argv = append_words(context.argv, preset_arguments(spec, context))
+    worker = WorkerPlan("command", tuple(argv), common_env(spec, context.attempt),
+                        logs={"task": str(spec.task_log_path)})
+    return Plan(NAME, why, (worker,), spec.num_hosts, 1)
+
+
+def preset_arguments(spec, context: Context) -> List[str]:
+    if spec.num_hosts <= 1:
+        return ["--init_method", f"tcp://{LOCAL_HOST}:{spec.init_method_port}"]
+    check_node_rank(spec)
+    address = f"tcp://{master_host(spec, context.environ)}:{spec.init_method_port}"
+    return ["--init_method", address, "--rank", str(spec.task_index), "--world_size", str(spec.num_hosts)]
+
+
+forwards_to, root_cause, rank_logs = forwards_nothing, no_root_cause, no_rank_logs
