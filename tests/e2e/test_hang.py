@@ -6,6 +6,7 @@ The window is 5 s (MA_RUNTIME_HANG_DETECT_SECONDS), so the period is 1 s and the
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,3 +219,18 @@ def test_the_job_files_hang_section_is_read_and_the_progress_file_is_exported_to
     assert f"progress file: {progress}" in result.stdout
     (off,) = named(env, "hang detection off")
     assert off["reason"] == "MA_RUNTIME_HANG_DETECT=off"
+
+
+@pytest.mark.parametrize("method", ["pytorch-gpu", "mpirun"])
+def test_a_hang_under_the_new_launchers_is_found_its_stack_written_and_ended_with_83(job_env, tmp_path, method):
+    # One node: the supervisor watches the command's tree whatever started it (mpirun's rank is its child).
+    if method == "mpirun" and not shutil.which("mpirun"):
+        pytest.skip("needs Open MPI's mpirun (scripts/test.sh installs openmpi-bin)")
+    env = hang_env(job_env, tmp_path, HANG_MODE="block", MA_RUN_METHOD=method, MA_RUNTIME_HANG_RESTARTS=0,
+                   MY_MPI_SLOTS=1, OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+    result = run_ma(PYTHON, env, timeout=120)
+    assert result.returncode == 83, result.stderr[-3000:]
+    assert len(named(env, "job suspected hung")) == 1
+    (name, text), = dumps(stacks_dir(env, 1)).items()
+    assert "wait_for_peer" in text, text
+    assert termination(env)["exit_code"] == 83
