@@ -377,6 +377,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("peer_wait_seconds", "MA_RUNTIME_PEER_WAIT_SECONDS", _seconds, "how long a node waits for the "
             "other nodes it needs to answer (mpirun's worker-0 for every sshd, a watcher for what it watches)",
             600.0, cli=False),
+    Setting("peer_gone_seconds", "MA_RUNTIME_PEER_GONE_SECONDS", _seconds, "how long every TensorFlow worker's "
+            "port must stay closed before a ps takes it for the job's end (a worker restarted in place closes it "
+            "meanwhile)", 60.0, cli=False),
     Setting("sshd_port", "MY_SSHD_PORT", _port, "the port of the sshd every node of a multi-node mpirun job "
             "starts (the platform's run_mpi.sh default)", 36666, cli=False),
     Setting("mpi_slots", "MY_MPI_SLOTS", _integer(1, 1024), "mpirun's processes per node (default: "
@@ -487,6 +490,7 @@ class JobSpec:
     init_method_port: int
     master_resolve_seconds: float
     peer_wait_seconds: float
+    peer_gone_seconds: float
     sshd_port: int
     mpi_slots: Optional[int]
     mpi_btl_tcp_if: str

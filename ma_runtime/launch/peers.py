@@ -9,10 +9,11 @@ succeeds. Not `ping` (absent from most images), not bash's `/dev/tcp` (the platf
 - The watcher, a program run as a plan's worker (`watcher_argv`): a node that has nothing to run by itself (an
   mpirun peer, whose ranks come through its sshd) or whose command never ends by itself (a TensorFlow parameter
   server) watches the nodes its job depends on, and ends when they are gone: an endpoint that answered once and
-  then failed GONE_AFTER probes in a row, PERIOD_S apart. With a command it wraps, it ends the command then and
-  exits 0 (the others finished); the command's own exit decides first. It stays out of the signal regime: the
-  supervisor signals the whole process group once (the command too), and the watcher then only waits for the
-  command and exits with its status.
+  then failed GONE_AFTER probes in a row, PERIOD_S apart, for at least `--gone-seconds` (a TensorFlow worker
+  restarted in place closes its port for a while: that is not its end). With a command it wraps, it ends the
+  command then and exits 0 (the others finished); the command's own exit decides first. It stays out of the
+  signal regime: the supervisor signals the whole process group once (the command too), and the watcher then
+  only waits for the command and exits with its status.
 """
 
 import argparse
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ma_runtime.errors import ExitCode, LaunchTimedOut
 
@@ -79,12 +80,15 @@ def reach_all(endpoints: Sequence[Endpoint], seconds: float, log, stopped: threa
     return addresses
 
 
-def watcher_argv(endpoints: Sequence[Endpoint], appear_seconds: float, command: Sequence[str] = ()) -> List[str]:
+def watcher_argv(endpoints: Sequence[Endpoint], appear_seconds: float, command: Sequence[str] = (),
+                 gone_seconds: Optional[float] = None) -> List[str]:
     """The watcher program's command line, on the runtime's own interpreter (isolated when the runtime is)."""
     isolated = ["-I"] if sys.flags.isolated else []
     argv = [sys.executable, *isolated, "-m", __name__, "--until-gone", *(f"{host}:{port}" for host, port in
                                                                            endpoints),
             "--appear-seconds", f"{appear_seconds:g}"]
+    if gone_seconds is not None:
+        argv += ["--gone-seconds", f"{gone_seconds:g}"]
     return argv + ["--", *command] if command else argv
 
 
@@ -98,27 +102,35 @@ def _endpoint(text: str) -> Endpoint:
 class _Watch:
     """The watcher's state: which endpoints have answered, and each one's failures in a row since."""
 
-    def __init__(self, endpoints: Sequence[Endpoint]):
+    def __init__(self, endpoints: Sequence[Endpoint], gone_seconds: float):
         self.endpoints = list(endpoints)
+        self.gone_seconds = gone_seconds
         self.seen = set()
         self.failures = {endpoint: 0 for endpoint in self.endpoints}
+        self.failing_since: Dict[Endpoint, float] = {}
 
     def look(self) -> None:
         for endpoint in self.endpoints:
-            if endpoint in self.seen and self.failures[endpoint] >= GONE_AFTER:
+            if self.gone(endpoint):
                 continue  # gone stays gone: a later answer is someone else (a restarted pod is a new job run)
             address, _ = probe(*endpoint)
             if address is not None:
                 self.seen.add(endpoint)
                 self.failures[endpoint] = 0
+                self.failing_since.pop(endpoint, None)
             else:
                 self.failures[endpoint] += 1
+                self.failing_since.setdefault(endpoint, time.monotonic())
+
+    def gone(self, endpoint: Endpoint) -> bool:
+        return (endpoint in self.seen and self.failures[endpoint] >= GONE_AFTER
+                and time.monotonic() - self.failing_since[endpoint] >= self.gone_seconds)
 
     def missing(self) -> List[Endpoint]:
         return [endpoint for endpoint in self.endpoints if endpoint not in self.seen]
 
     def all_gone(self) -> bool:
-        return not self.missing() and all(count >= GONE_AFTER for count in self.failures.values())
+        return all(self.gone(endpoint) for endpoint in self.endpoints)
 
 
 def _say(text: str) -> None:
@@ -134,6 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ma_runtime.launch.peers")
     parser.add_argument("--until-gone", nargs="+", type=_endpoint, required=True, metavar="HOST:PORT")
     parser.add_argument("--appear-seconds", type=float, required=True)
+    parser.add_argument("--gone-seconds", type=float, default=0.0,
+                        help="how long an endpoint must fail before it is gone (at least GONE_AFTER probes)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -142,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     child = subprocess.Popen(command) if command else None
-    code = _watch(_Watch(args.until_gone), args.appear_seconds, child, stop)
+    code = _watch(_Watch(args.until_gone, args.gone_seconds), args.appear_seconds, child, stop)
     return code
 
 

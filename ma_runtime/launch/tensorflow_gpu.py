@@ -11,8 +11,9 @@ take `host:port,host:port`, which `split(",")` turns into a cluster spec, and a 
 itself still works.
 
 A parameter server never exits by itself (`server.join()`): on a `ps` container the plan's process is the watcher
-of peers.py wrapping the command. Once every worker's port in TF_WORKER_HOSTS has answered and then gone, it
-ends the command and exits 0: the workers finished, so the ps did its job. A worker that never answers within
+of peers.py wrapping the command. Once every worker's port in TF_WORKER_HOSTS has answered and then stayed closed
+for MA_RUNTIME_PEER_GONE_SECONDS (a worker restarted in place closes it for a while), it ends the command and
+exits 0: the workers finished, so the ps did its job. A worker that never answers within
 MA_RUNTIME_PEER_WAIT_SECONDS ends the ps with 81; the ps command's own exit, first, is the container's.
 
 It forwards nothing: the watcher and the command share the process group the supervisor signals once (the
@@ -70,7 +71,7 @@ def _multi_node(spec, environ: Mapping[str, str], argv: List[str]) -> List[str]:
     argv = append_words(argv, ["--task_index", str(spec.task_index), "--ps_hosts", _joined(hosts["ps"]),
                                "--worker_hosts", _joined(hosts["worker"]), "--job_name", spec.task_name])
     if spec.task_name == "ps":  # it would serve forever: it ends when every worker has gone
-        return peers.watcher_argv(hosts["worker"], spec.peer_wait_seconds, argv)
+        return peers.watcher_argv(hosts["worker"], spec.peer_wait_seconds, argv, gone_seconds=spec.peer_gone_seconds)
     return argv
 
 

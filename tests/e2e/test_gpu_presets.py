@@ -155,7 +155,8 @@ def ps_env(job_env, tmp_path, worker_ports, **extra):
     env.update(MA_RUN_METHOD="tensorflow-gpu", MA_NUM_HOSTS="2", MA_TASK_NAME="ps", VC_TASK_INDEX="0",
                TF_PS_HOSTS=f"[127.0.0.1:{free_port()},127.0.0.1:{free_port()}]",
                TF_WORKER_HOSTS="[" + ",".join(f"127.0.0.1:{port}" for port in worker_ports) + "]",
-               MA_RUNTIME_PREFLIGHT="0", PS_DIR=str(ps_dir))
+               # Gone after 3 failed probes: the window for a restarting worker is tested in tests/unit/test_peers.py.
+               MA_RUNTIME_PREFLIGHT="0", PS_DIR=str(ps_dir), MA_RUNTIME_PEER_GONE_SECONDS="0")
     env.update({name: str(value) for name, value in extra.items()})
     return env
 

@@ -173,7 +173,7 @@ def test_tensorflow_gpu_ps_runs_under_the_watcher_of_every_worker(job):
     job_spec, environ = job(MA_RUN_METHOD="tensorflow-gpu", MA_NUM_HOSTS=2, MA_TASK_NAME="ps", VC_TASK_INDEX=0,
                             **TF_HOSTS)
     (worker,) = build(job_spec, environ, ["python", "train.py"]).workers
-    assert list(worker.argv) == [*WATCHER, "--appear-seconds", "600", "--",
+    assert list(worker.argv) == [*WATCHER, "--appear-seconds", "600", "--gone-seconds", "60", "--",
                                  "python", "train.py", *tf_flags(0, "ps")]
     assert worker.name == "command" and worker.env == COMMON_ENV
     assert worker.logs["task"].endswith("-ps-0.log")
@@ -191,7 +191,7 @@ def test_tensorflow_gpu_ps_watcher_program_reads_back_its_endpoints_and_command(
     argv = build(job_spec, environ).workers[0].argv
     assert argv[:3] == (sys.executable, "-m", peers.__name__)
     assert list(argv) == peers.watcher_argv([("j-worker-0.j", 6000), ("j-worker-1.j", 6001)], 600.0,
-                                            ["python", "train.py", *tf_flags(0, "ps")])
+                                            ["python", "train.py", *tf_flags(0, "ps")], gone_seconds=60.0)
 
 
 def test_tensorflow_gpu_shell_form_gets_the_flags_inside_the_watched_script(job):
@@ -200,7 +200,7 @@ def test_tensorflow_gpu_shell_form_gets_the_flags_inside_the_watched_script(job)
     argv = build_argv(["cd /code; python train.py"], [])
     script = "cd /code; python train.py " + " ".join(tf_flags(1, "ps"))
     assert list(build(job_spec, environ, argv).workers[0].argv) == [
-        *WATCHER, "--appear-seconds", "600", "--", "/bin/sh", "-c", script]
+        *WATCHER, "--appear-seconds", "600", "--gone-seconds", "60", "--", "/bin/sh", "-c", script]
 
 
 @pytest.mark.parametrize("ps_hosts, worker_hosts", [

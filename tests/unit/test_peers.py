@@ -65,9 +65,9 @@ def test_a_stop_ends_the_wait():
     assert peers.reach_all([("127.0.0.1", closed_port())], 60, Log(), stopped) == []
 
 
-def watcher(endpoints, appear, command=(), **kwargs):
-    return subprocess.Popen(peers.watcher_argv(endpoints, appear, command), stderr=subprocess.PIPE, text=True,
-                            **kwargs)
+def watcher(endpoints, appear, command=(), gone_seconds=None, **kwargs):
+    return subprocess.Popen(peers.watcher_argv(endpoints, appear, command, gone_seconds), stderr=subprocess.PIPE,
+                            text=True, **kwargs)
 
 
 def test_the_watcher_ends_its_command_and_succeeds_once_the_watched_node_is_gone(tmp_path):
@@ -122,3 +122,21 @@ def test_a_bad_endpoint_is_refused():
     done = subprocess.run([sys.executable, "-m", "ma_runtime.launch.peers", "--until-gone", "host-without-port",
                            "--appear-seconds", "1"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "not HOST:PORT" in done.stderr
+
+
+def test_a_node_closed_for_less_than_the_gone_window_is_not_gone_and_one_closed_longer_is():
+    # A TensorFlow worker restarted in place closes its port for a while: the ps must not take that for the end.
+    server = listener()
+    port = server.getsockname()[1]
+    proc = watcher([("127.0.0.1", port)], 30, ["sleep", "300"], gone_seconds=6)
+    time.sleep(1.5)  # seen answering
+    server.close()
+    time.sleep(peers.GONE_AFTER * peers.PERIOD_S + 1.5)  # 3 failed probes: gone without the window
+    assert proc.poll() is None
+    restarted = socket.socket()
+    restarted.bind(("127.0.0.1", port))
+    restarted.listen(1)
+    time.sleep(1.5)  # answering again: the window starts over
+    restarted.close()
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
