@@ -32,6 +32,7 @@ from it.
 import dataclasses
 import os
 import re
+import shlex
 import shutil
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
@@ -148,6 +149,14 @@ def check_once_per_node(spec, why: str, starter: str) -> None:
                           f"processes per node, but {why} runs the command once per node: {starter}",
                           hint="unset MA_RUNTIME_NPROC_PER_NODE, or set MA_RUN_METHOD=torchrun to have the runtime "
                                "start several processes per node")
+
+
+def split_extra(name: str, text: Optional[str]) -> List[str]:
+    """A setting of extra launcher flags, split as a shell would split it, never evaluated."""
+    try:
+        return shlex.split(text or "")
+    except ValueError as exc:
+        raise ConfigError(f"{name} cannot be split ({exc}): {text!r}", hint="balance the quotes") from None
 
 
 def find_launcher(context: Context, name: str, package: str) -> str:

@@ -24,10 +24,9 @@ of an MPI_Abort), and its summary names the rank.
 """
 
 import re
-import shlex
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from ma_runtime.errors import ConfigError, RuntimeFailure
+from ma_runtime.errors import RuntimeFailure
 from ma_runtime.launch.base import (
     Context,
     Plan,
@@ -38,6 +37,7 @@ from ma_runtime.launch.base import (
     find_launcher,
     master_host,
     per_node,
+    split_extra,
     worker_hosts,
 )
 from ma_runtime.launch.torchrun import forwards_to  # noqa: F401 - the same rule: see the module docstring
@@ -102,7 +102,8 @@ def _mpirun_plan(spec, context: Context, why: str, count: int, hosts: Sequence[s
     argv += ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
     if len(hosts) > 1:
         argv += ["-mca", "plm_rsh_no_tree_spawn", "true"]
-    argv += [*exports(spec, context), *_split_extra(spec.extra_mpirun_params), *context.argv]
+    argv += [*exports(spec, context), *split_extra("MA_RUNTIME_EXTRA_MPIRUN_PARAMS", spec.extra_mpirun_params),
+             *context.argv]
     worker = WorkerPlan(NAME, tuple(argv), common_env(spec, context.attempt), logs={"task": str(spec.task_log_path)},
                         files={str(hostfile): "".join(f"{host} slots={count}\n" for host in hosts)})
     return Plan(NAME, why, (worker,), len(hosts), count)
@@ -143,15 +144,6 @@ def _passes(name: str, exported: Sequence[str]) -> bool:
     if not _NAME.match(name) or is_secret_name(name) or name in _THIS_NODE or name.startswith(_THIS_NODE_FAMILY):
         return False
     return name in _NAMES or name.startswith(_FAMILIES) or name in exported
-
-
-def _split_extra(text: str) -> List[str]:
-    """Split like a shell would, never evaluated."""
-    try:
-        return shlex.split(text or "")
-    except ValueError as exc:
-        raise ConfigError(f"MA_RUNTIME_EXTRA_MPIRUN_PARAMS cannot be split ({exc}): {text!r}",
-                          hint="balance the quotes") from None
 
 
 # --------------------------------------------------------------------------- the service

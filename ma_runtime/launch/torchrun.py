@@ -32,7 +32,6 @@ The runtime reports that rank and its exit code instead of torchrun's 1.
 """
 
 import re
-import shlex
 from typing import Any, List, Mapping, Optional, Sequence, Set
 
 from ma_runtime.errors import ConfigError
@@ -48,6 +47,7 @@ from ma_runtime.launch.base import (
     find_launcher,
     master_host,
     per_node,
+    split_extra,
 )
 
 NAME = "torchrun"
@@ -76,7 +76,7 @@ def build(spec, context: Context, why: str) -> Plan:
                   f"--master_addr={master_host(spec, context.environ)}",
                   f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
                   "--rdzv_backend=static"]
-    extra = _split_extra(spec.extra_torchrun_params)
+    extra = split_extra("MA_EXTRA_TORCHRUN_PARAMS", spec.extra_torchrun_params)
     flags = [*_without_flags(preset, _flag_names(extra)), *extra]
     argv = [launcher, *flags, *_program(context.argv)]
     worker = WorkerPlan(NAME, tuple(argv), common_env(spec, context.attempt), logs={"task": str(spec.task_log_path)})
@@ -90,15 +90,6 @@ def _program(argv: Sequence[str]) -> List[str]:
     if len(argv) >= 2 and PYTHON.match(argv[0]) and not argv[1].startswith("-"):
         return list(argv[1:])
     return ["--no-python", *argv]
-
-
-def _split_extra(text: str) -> List[str]:
-    """Split like a shell would, never evaluated."""
-    try:
-        return shlex.split(text or "")
-    except ValueError as exc:
-        raise ConfigError(f"MA_EXTRA_TORCHRUN_PARAMS cannot be split ({exc}): {text!r}",
-                          hint="balance the quotes") from None
 
 
 def _flag_name(token: str) -> Optional[str]:
