@@ -9,6 +9,23 @@ import os
 import sys
 
 
+def _reopen_closed_descriptors() -> None:
+    """A closed standard descriptor (`ma-run ... 2>&-`) is reopened on /dev/null before anything else opens a
+    file: the next descriptor made would take its number, and the signal queue's pipe as fd 1 got the command's
+    forwarded output, read back as signal numbers (`O`, 79: killpg failed, exit 70)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, once lower ones exist
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
+_reopen_closed_descriptors()
+
+
 def _runs_a_command(argv: list) -> bool:
     """`ma-run ...`, `ma-runtime run ...` or `python -m ma_runtime run ...`: not an operator command."""
     return os.path.basename(argv[0]) == "ma-run" or argv[1:2] == ["run"]
@@ -234,18 +251,11 @@ def ma_run(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _standard_streams() -> None:
-    """First thing at every entry: a closed standard descriptor (`ma-run ... 2>&-`) is reopened on
-    /dev/null, or the next file the runtime opens would take its number (the task log as fd 1
-    gets the command's output twice) and Python's sys.stderr would be None. The text streams then
-    write undecodable bytes escaped (`\\xff`) instead of failing on them."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, once lower ones exist
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
+    """First thing at every entry: the closed standard descriptors are reopened (again: a caller in Python
+    may have closed one since the import), or the next file the runtime opens would take its number (the
+    task log as fd 1 gets the command's output twice) and Python's sys.stderr would be None. The text
+    streams then write undecodable bytes escaped (`\\xff`) instead of failing on them."""
+    _reopen_closed_descriptors()
     for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
         if getattr(sys, name) is None:
             setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 - lives as long as the process

@@ -113,6 +113,17 @@ def test_closed_standard_streams_are_reopened_and_the_command_runs(job_env, clos
         assert result.stdout == "OUT\n"
 
 
+def test_with_every_standard_stream_closed_the_forwarded_output_is_never_read_as_signals(job_env):
+    # The signal queue's pipe was made before the closed descriptors were reopened, so it took fd 1: the
+    # forwarded "OUT" went into it and came back as signal 79 (killpg failed: exit 70). The sleep lets the
+    # loop read it before the command ends.
+    command = '"$MA_RUN" -- sh -c "echo OUT; sleep 0.5; exit 4" <&- >&- 2>&-'
+    result = subprocess.run(["sh", "-c", command], env={**job_env, "MA_RUN": MA_RUN}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 4
+    assert task_log(job_env).read_text().splitlines().count("OUT") == 1
+
+
 # --- item 15: bytes that are not UTF-8, in the command, a path, a variable ---------------------------------
 
 
