@@ -382,6 +382,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "meanwhile)", 60.0, cli=False),
     Setting("sshd_port", "MY_SSHD_PORT", _port, "the port of the sshd every node of a multi-node mpirun job "
             "starts (the platform's run_mpi.sh default)", 36666, cli=False),
+    Setting("mpi_key_port", "MA_RUNTIME_MPI_KEY_PORT", _port, "the port on which worker-0 of a multi-node "
+            "mpirun job serves the job's public key when no SSH trust files are mounted (default: MY_SSHD_PORT + 1)",
+            None, cli=False),
     Setting("mpi_slots", "MY_MPI_SLOTS", _integer(1, 1024), "mpirun's processes per node (default: "
             "MA_RUNTIME_NPROC_PER_NODE, else MA_NUM_GPUS, at least 1)", None, cli=False),
     Setting("mpi_btl_tcp_if", "MY_MPI_BTL_TCP_IF", _matching(_INTERFACES, "list of network interfaces"),
@@ -492,6 +495,7 @@ class JobSpec:
     peer_wait_seconds: float
     peer_gone_seconds: float
     sshd_port: int
+    mpi_key_port: Optional[int]
     mpi_slots: Optional[int]
     mpi_btl_tcp_if: str
     extra_mpirun_params: str

@@ -17,6 +17,14 @@ Everything lives in one private folder of this node (0700), `folder(spec)`, unde
 - `ssh/`: copies of the job's trust files from `${MA_HOME}/.ssh`, where the platform's "generate SSH trust
   files" option puts authorized_keys, id_rsa, id_rsa.pub and config, each 0600: ssh refuses a private key
   others can read, the mounted ones are often read-only with other modes, and a copy it owns is never refused.
+  Without them, keys made for the job (`_job_key`): worker-0, lacking a private key, makes an ed25519 pair
+  there (`id_job_ed25519`), adds its public half to its authorized_keys and serves that public half, and
+  nothing else, on MA_RUNTIME_MPI_KEY_PORT (default MY_SSHD_PORT + 1) from a key server, the job's service
+  like sshd (`python -m ma_runtime.sshd --serve-public-key`); every other node lacking authorized_keys
+  fetches it from there (`_fetch_job_key`, waiting like peers.reach_all) before its sshd starts. The trust:
+  the key served by the host named worker-0, i.e. the cluster's DNS, what ssh without host-key checks
+  already trusts; the private key never leaves worker-0. Mounted files win: nothing is made or fetched for
+  what they provide.
 - `ssh_config`, what mpirun's ssh reads (`-F`): no host-key check (each node's host key is made when it
   starts, so none can be known beforehand; the trust is in the job's keys), never a prompt, the copied keys,
   then the job's own config.
@@ -26,16 +34,22 @@ sshd runs in the foreground (-D -e): its lines reach the console and the task lo
 runtime waits, bounded, for its pid file (written once the port is bound), or stops with 78 and sshd's last line.
 """
 
+import argparse
+import base64
+import binascii
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence
 
 from ma_runtime import children
-from ma_runtime.errors import ConfigError
+from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
 from ma_runtime.files import NotAFile, read_regular, write_atomically
 
 PLACEHOLDER = "{{MY_SSHD_PORT}}"
@@ -44,6 +58,13 @@ _START_SECONDS = 10.0  # far beyond what binding a port takes
 _KEYGEN_SECONDS = 60.0
 _POLL = 0.02
 _PRIVATE_KEY_PREFIX = "id_"
+_JOB_KEY = "id_job_ed25519"  # worker-0's key made for the job: an `id_` name, so ssh_config names it
+AUTHORIZED = "authorized_keys"
+# What the key server serves and a node accepts: one OpenSSH ed25519 public key line, printable comment.
+_PUBLIC_KEY = re.compile(rb"ssh-ed25519 ([A-Za-z0-9+/]+={0,2})( [\x20-\x7e]*)?\n?\Z")
+_ED25519_BLOB = b"\x00\x00\x00\x0bssh-ed25519"  # how the base64 part of a real one begins
+_KEY_LIMIT = 4096  # an ed25519 public key line is about 100 bytes
+_SEND_SECONDS = 5.0  # the key server's bound per connection
 _running: List[object] = []  # the sshd Workers: kept, so that no Popen is collected and polled by subprocess
 
 
@@ -60,14 +81,37 @@ def trust_folder(spec) -> Path:
     return spec.ma_home / ".ssh"
 
 
-def start(spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[object], client: bool) -> None:
-    """Starts this node's sshd and returns once it listens. `client`: this node also runs mpirun's ssh, so it
-    needs a private key (the others need authorized_keys). Raises ConfigError (78)."""
+def key_port(spec) -> int:
+    """Where worker-0 serves the job's public key: MA_RUNTIME_MPI_KEY_PORT, else MY_SSHD_PORT + 1 (- 1 at the
+    top of the range)."""
+    port = spec.mpi_key_port or (spec.sshd_port + 1 if spec.sshd_port < 65535 else spec.sshd_port - 1)
+    if port == spec.sshd_port:
+        raise ConfigError(f"MA_RUNTIME_MPI_KEY_PORT={port} is MY_SSHD_PORT's port",
+                          hint="give the key server a port of its own, the same on every node")
+    return port
+
+
+def start(spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[object], client: bool,
+          worker_0: str) -> None:
+    """Starts this node's sshd and returns once it listens (or once `stopped` is set). `client`: this node also
+    runs mpirun's ssh, so it needs a private key (the others need authorized_keys): without mounted ones, it
+    makes and serves the job's key; the others fetch it from `worker_0`. Raises ConfigError (78),
+    LaunchTimedOut (81)."""
     sshd, keygen = _program(environ, "sshd", "/usr/sbin/sshd"), _program(environ, "ssh-keygen", "/usr/bin/ssh-keygen")
     home = _private_folder(folder(spec))
     keys = _copy_trust(trust_folder(spec), home / "ssh", log)
-    _check_trust(spec, keys, client)
-    host_key = _host_key(home / "ssh_host_ed25519_key", keygen)
+    if client and not private_keys(keys):
+        keys = _job_key(spec, home, keys, keygen, environ, log, stopped, sinks)
+    elif not client and AUTHORIZED not in keys:
+        public = _fetch_job_key(spec, worker_0, log, stopped)
+        if public is None:
+            return  # the run is stopping: the caller has seen the signal
+        _write(home / "ssh" / AUTHORIZED, public.decode())
+        log.info("authorized worker-0's public key", host=worker_0, port=key_port(spec))
+        keys = sorted([*keys, AUTHORIZED])
+    if stopped.is_set():
+        return
+    host_key = _keygen(home / "ssh_host_ed25519_key", keygen, "sshd's host key")
     config = home / "sshd_config"
     _write(config, _sshd_config(spec, home, host_key))
     _write(client_config(spec), _client_config(home / "ssh", keys))
@@ -75,7 +119,8 @@ def start(spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[object
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # its privilege separation folder, made at boot only
     pid_file = home / "sshd.pid"
     _remove(pid_file)  # an earlier run's would read as started
-    worker = _spawn([sshd, "-D", "-e", "-f", str(config), "-p", str(spec.sshd_port)], environ, home, sinks)
+    worker = _spawn([sshd, "-D", "-e", "-f", str(config), "-p", str(spec.sshd_port)], environ, home, sinks,
+                    "sshd")
     why = _wait_started(worker, pid_file, stopped)
     if why:
         _stop(worker)
@@ -142,23 +187,149 @@ def private_keys(names: Sequence[str]) -> List[str]:
     return [name for name in names if name.startswith(_PRIVATE_KEY_PREFIX) and not name.endswith(".pub")]
 
 
-def _check_trust(spec, names: Sequence[str], client: bool) -> None:
-    """Worker-0 logs in to the others with a private key; they accept it by their authorized_keys."""
-    missing = ("a private key (id_rsa, id_ed25519, ...)" if client and not private_keys(names) else
-               "authorized_keys" if not client and "authorized_keys" not in names else None)
-    if missing:
-        raise ConfigError(f"mpirun across nodes needs the job's SSH trust files in {trust_folder(spec)}, and it "
-                          f"has no {missing}",
-                          hint="turn on the training job's \"generate SSH trust files\" option (it mounts "
-                               "authorized_keys, id_rsa, id_rsa.pub and config there), or build the same files "
-                               "into the image")
+# --------------------------------------------------------------------------- the job's key, when none is mounted
 
 
-def _host_key(path: Path, keygen: str) -> Path:
-    """This node's host key, made once per pod."""
+def _job_key(spec, home: Path, keys: Sequence[str], keygen: str, environ: Mapping[str, str], log, stopped,
+             sinks: Sequence[object]) -> List[str]:
+    """Worker-0 without a mounted private key: a key pair made for this run, its public half authorized here
+    too (after the mounted authorized_keys, if any) and served to the other nodes. Returns the trust files'
+    names."""
+    trust = home / "ssh"
+    _keygen(trust / _JOB_KEY, keygen, "the job's key", comment="ma-runtime-job")
+    public = _public_key(read_regular(trust / f"{_JOB_KEY}.pub", _KEY_LIMIT) or b"")
+    if public is None:
+        raise ConfigError(f"ssh-keygen made no ed25519 public key in {trust / (_JOB_KEY + '.pub')}",
+                          hint="check that the image's ssh-keygen is OpenSSH's")
+    mounted = _read(trust / AUTHORIZED) or ""
+    _write(trust / AUTHORIZED, mounted + ("\n" if mounted and not mounted.endswith("\n") else "") + public.decode())
+    port = key_port(spec)
+    _serve_public_key(trust / f"{_JOB_KEY}.pub", port, environ, home, stopped, sinks)
+    log.info("serving the job's public key", port=port, path=str(trust / f"{_JOB_KEY}.pub"))
+    return sorted({*keys, _JOB_KEY, f"{_JOB_KEY}.pub", AUTHORIZED})
+
+
+def _serve_public_key(public: Path, port: int, environ: Mapping[str, str], home: Path, stopped,
+                      sinks: Sequence[object]) -> None:
+    """The key server, as the job's service (like sshd); returns once it listens, else ConfigError (78)."""
+    pid_file = home / "key-server.pid"
+    _remove(pid_file)
+    isolated = ["-I"] if sys.flags.isolated else []  # the runtime's own interpreter, isolated when it is
+    argv = [sys.executable, *isolated, "-m", __name__, "--serve-public-key", str(public), "--port", str(port),
+            "--pid-file", str(pid_file)]
+    worker = _spawn(argv, environ, home, sinks, "key server")
+    why = _wait_started(worker, pid_file, stopped)
+    if why:
+        _stop(worker)
+        raise ConfigError(f"the job's key server did not start on port {port}: {why}",
+                          hint="another process may use MA_RUNTIME_MPI_KEY_PORT (default MY_SSHD_PORT + 1): set "
+                               "another port, the same on every node; or mount the job's SSH trust files (the "
+                               "\"generate SSH trust files\" option)")
+
+
+def _fetch_job_key(spec, host: str, log, stopped) -> Optional[bytes]:
+    """The public key worker-0 serves, once it answers: waits like peers.reach_all, every wait logged,
+    LaunchTimedOut (81) naming worker-0 after MA_RUNTIME_PEER_WAIT_SECONDS; ConfigError (78) for an answer
+    that is not one. None when `stopped` is set meanwhile."""
+    from ma_runtime.launch import peers
+
+    port, seconds = key_port(spec), spec.peer_wait_seconds
+
+    def timed_out(why: str) -> LaunchTimedOut:
+        return LaunchTimedOut(f"worker-0 ({host}) did not serve the job's public key on port {port} within "
+                              f"{seconds:g} s ({why})",
+                              hint="check that its container runs and its key server started (its task log), "
+                                   "VC_WORKER_HOSTS and MA_RUNTIME_MPI_KEY_PORT; or mount the job's SSH trust "
+                                   "files on every node (the \"generate SSH trust files\" option); "
+                                   "MA_RUNTIME_PEER_WAIT_SECONDS sets the wait")
+
+    answer = peers.wait_until(lambda: peers.exchange(host, port, _read_all), time.monotonic() + seconds, log,
+                              stopped, "waiting for worker-0's public key", timed_out, host=host, port=port)
+    return None if answer is None else _checked_answer(answer, host, port)
+
+
+def _read_all(connection: socket.socket) -> bytes:
+    """Everything the port sent until it closed, at most _KEY_LIMIT + 1 bytes."""
+    answer = b""
+    while len(answer) <= _KEY_LIMIT:
+        chunk = connection.recv(_KEY_LIMIT + 1 - len(answer))
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+def _checked_answer(answer: bytes, host: str, port: int) -> bytes:
+    public = _public_key(answer)
+    if public is None:
+        raise ConfigError(f"worker-0 ({host}) answered on port {port} with something other than the job's public "
+                          f"key (one 'ssh-ed25519 <base64> [comment]' line, {len(answer)} bytes received)",
+                          hint="another program may listen on MA_RUNTIME_MPI_KEY_PORT (default MY_SSHD_PORT + 1) "
+                               "on worker-0: set another port, the same on every node")
+    return public
+
+
+def _public_key(data: bytes) -> Optional[bytes]:
+    """`data` as one newline-ended line when it is one ed25519 public key line, else None."""
+    match = _PUBLIC_KEY.match(data) if len(data) <= _KEY_LIMIT else None  # a longer one was cut off
+    if match is None:
+        return None
+    try:
+        blob = base64.b64decode(match.group(1), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return data.rstrip(b"\n") + b"\n" if blob.startswith(_ED25519_BLOB) else None
+
+
+def serve_public_key(path: Path, port: int, pid_file: Path) -> int:
+    """The key server: sends the public key in `path`, checked to be one (never anything else), to whoever
+    connects, then closes; one connection at a time, each bounded. Writes its pid once it listens."""
+    try:
+        public = _public_key(read_regular(path, _KEY_LIMIT) or b"")
+    except OSError:
+        public = None
+    if public is None:
+        _say(f"{path} is not an ed25519 public key: it is not served")
+        return ExitCode.BAD_CONFIGURATION
+    try:
+        server = socket.create_server(("", port))  # IPv4, as the other nodes resolve worker-0 (peers.probe)
+    except OSError as exc:
+        _say(f"cannot listen on port {port}: {exc.strerror or exc}")
+        return ExitCode.BAD_CONFIGURATION
+    with server:
+        write_atomically(pid_file, f"{os.getpid()}\n", mode=0o600)
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(_SEND_SECONDS)
+                try:
+                    conn.sendall(public)
+                except OSError:
+                    pass  # that peer's problem: it asks again
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"ma-runtime: {text}\n")
+    sys.stderr.flush()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
+    parser.add_argument("--serve-public-key", type=Path, required=True, metavar="FILE")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--pid-file", type=Path, required=True)
+    args = parser.parse_args(argv)
+    return serve_public_key(args.serve_public_key, args.port, args.pid_file)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _keygen(path: Path, keygen: str, what: str, comment: Optional[str] = None) -> Path:
+    """An ed25519 key pair at `path` (and `path`.pub), unless one is there: the host key, made once per pod."""
     if path.is_file():
         return path
-    argv = [keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(path)]
+    argv = [keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(path), *(["-C", comment] if comment else [])]
     with children.owned(lambda: subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                  stderr=subprocess.STDOUT)) as proc:
         try:
@@ -168,7 +339,7 @@ def _host_key(path: Path, keygen: str) -> Path:
             output, _ = proc.communicate()
     if proc.returncode != 0 or not path.is_file():
         last = output.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        raise ConfigError(f"cannot make sshd's host key {path}: {last[0]}", hint="check that ssh-keygen works")
+        raise ConfigError(f"cannot make {what} {path}: {last[0]}", hint="check that ssh-keygen works")
     return path
 
 
@@ -233,14 +404,15 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _spawn(argv: Sequence[str], environ: Mapping[str, str], home: Path, sinks: Sequence[object]):
-    """sshd as the job's service, in the environment of nothing but PATH and the run's lineage (the guard's mark):
-    its sessions start from their own anyway, and it needs none of the job's variables."""
+def _spawn(argv: Sequence[str], environ: Mapping[str, str], home: Path, sinks: Sequence[object], name: str):
+    """sshd or the key server as the job's service, in the environment of nothing but PATH, PYTHONPATH (the
+    key server's import) and the run's lineage (the guard's mark): sshd's sessions start from their own anyway,
+    and neither needs the job's variables. Their lines are prefixed `[sshd] `."""
     from ma_runtime.supervise.guard import LINEAGE_ENV
     from ma_runtime.supervise.worker import spawn
 
-    env = {name: environ[name] for name in ("PATH", LINEAGE_ENV) if name in environ}
-    worker = children.start_service(lambda: spawn(argv, env, str(home), list(sinks), list(sinks), name="sshd",
+    env = {key: environ[key] for key in ("PATH", "PYTHONPATH", LINEAGE_ENV) if key in environ}
+    worker = children.start_service(lambda: spawn(argv, env, str(home), list(sinks), list(sinks), name=name,
                                                   console_prefix=b"[sshd] "))
     _running.append(worker)
     return worker
@@ -282,3 +454,7 @@ def _stop(worker) -> None:
         worker.popen.wait(5)
     except subprocess.TimeoutExpired:
         pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -151,14 +151,16 @@ def _passes(name: str, exported: Sequence[str]) -> bool:
 
 def start_services(spec, environ: Mapping[str, str], log, stopped, sinks) -> None:
     """The node's sshd, on a multi-node job: worker-0's ssh reaches the others through theirs, and the others
-    watch worker-0's to learn when its run ended."""
+    watch worker-0's to learn when its run ended. Without mounted trust files, worker-0 also serves the job's
+    public key, and the others fetch it from worker-0 first (sshd.py)."""
     if spec.num_hosts <= 1:
         return
     check_node_rank(spec)
-    node_names(spec, environ)  # a job without the nodes' names fails before an sshd is started for nothing
+    # A job without the nodes' names fails before an sshd is started for nothing.
+    worker_0 = node_names(spec, environ)[0]
     from ma_runtime import sshd
 
-    sshd.start(spec, environ, log, stopped, sinks, client=spec.task_index == 0)
+    sshd.start(spec, environ, log, stopped, sinks, client=spec.task_index == 0, worker_0=worker_0)
 
 
 # --------------------------------------------------------------------------- failing

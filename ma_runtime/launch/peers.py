@@ -17,13 +17,14 @@ succeeds. Not `ping` (absent from most images), not bash's `/dev/tcp` (the platf
 """
 
 import argparse
+import functools
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ma_runtime.errors import ExitCode, LaunchTimedOut
 
@@ -37,21 +38,48 @@ COMMAND_GRACE_S = 10.0
 _PREFIX = "ma-runtime: "
 
 Endpoint = Tuple[str, int]
+T = TypeVar("T")
 
 
-def probe(host: str, port: int) -> Tuple[Optional[str], str]:
-    """(the host's IPv4 address, "") when a TCP connect to it succeeds, else (None, why)."""
+def exchange(host: str, port: int, talk: Optional[Callable[[socket.socket], T]] = None) -> Tuple[Any, str]:
+    """(what `talk(connection)` returns, or the host's IPv4 address without one, "") when a TCP connect to it
+    succeeds, else (None, why not)."""
     try:
         address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     except OSError:
         return None, "does not resolve"
     try:
-        with socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S):
-            return address, ""
+        with socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S) as connection:
+            return (talk(connection) if talk is not None else address), ""
     except socket.timeout:
         return None, f"{address}:{port} does not answer"
     except OSError as exc:
         return None, f"{address}:{port} refuses connections ({exc.strerror or exc})"
+
+
+def probe(host: str, port: int) -> Tuple[Optional[str], str]:
+    """(the host's IPv4 address, "") when a TCP connect to it succeeds, else (None, why)."""
+    return exchange(host, port)
+
+
+def wait_until(ask: Callable[[], Tuple[Optional[T], str]], deadline: float, log, stopped: threading.Event,
+               waiting: str, timed_out: Callable[[str], Exception], **fields: Any) -> Optional[T]:
+    """`ask()`'s answer once it has one, asking again with a backoff (FIRST_PAUSE_S doubling to MAX_PAUSE_S),
+    each wait logged as `waiting` with `fields` and why; `timed_out(why)` raised at the monotonic `deadline`;
+    None when `stopped` is set meanwhile (the caller has seen the signal)."""
+    pause, tries = FIRST_PAUSE_S, 0
+    while True:
+        answer, why = ask()
+        if answer is not None:
+            return answer
+        tries += 1
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise timed_out(why)
+        log.info(waiting, **fields, why=why, tries=tries, wait_s=round(pause, 2))
+        if stopped.wait(min(pause, left)):
+            return None
+        pause = min(pause * 2, MAX_PAUSE_S)
 
 
 def reach_all(endpoints: Sequence[Endpoint], seconds: float, log, stopped: threading.Event) -> List[str]:
@@ -61,22 +89,16 @@ def reach_all(endpoints: Sequence[Endpoint], seconds: float, log, stopped: threa
     deadline = time.monotonic() + seconds
     addresses = []
     for host, port in endpoints:
-        pause, tries = FIRST_PAUSE_S, 0
-        while True:
-            address, why = probe(host, port)
-            if address is not None:
-                addresses.append(address)
-                break
-            tries += 1
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LaunchTimedOut(f"node {host} did not answer on port {port} within {seconds:g} s ({why})",
-                                     hint="check that its container runs and its sshd started (its task log), "
-                                          "and VC_WORKER_HOSTS; MA_RUNTIME_PEER_WAIT_SECONDS sets the wait")
-            log.info("waiting for a node", host=host, port=port, why=why, tries=tries, wait_s=round(pause, 2))
-            if stopped.wait(min(pause, left)):
-                return []
-            pause = min(pause * 2, MAX_PAUSE_S)
+        def timed_out(why: str, host: str = host, port: int = port) -> LaunchTimedOut:
+            return LaunchTimedOut(f"node {host} did not answer on port {port} within {seconds:g} s ({why})",
+                                  hint="check that its container runs and its sshd started (its task log), "
+                                       "and VC_WORKER_HOSTS; MA_RUNTIME_PEER_WAIT_SECONDS sets the wait")
+
+        address = wait_until(functools.partial(probe, host, port), deadline, log, stopped, "waiting for a node",
+                             timed_out, host=host, port=port)
+        if address is None:
+            return []
+        addresses.append(address)
     return addresses
 
 

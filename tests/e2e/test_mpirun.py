@@ -1,5 +1,6 @@
 """Real mpirun across two nodes: network namespaces with their own host names, each node's sshd started by its
-runtime, trust files made by the test in each node's MA_HOME/.ssh, mpi4py ranks (2 per node).
+runtime, trust files made by the test in each node's MA_HOME/.ssh (in one test none: the job's own key),
+mpi4py ranks (2 per node).
 
 Each node runs `ma-run` as worker-0 or worker-1 (tests/e2e/test_multinode.py's NodePair): worker-0 waits for
 both sshd, writes the hostfile and runs mpirun; worker-1 runs the peers watcher and ends once worker-0's sshd
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import alive, free_port, run_ma, wait_for_file
+from tests.e2e import test_multinode as multinode
 from tests.e2e.test_launchers import JOBS, launcher_env, termination
-from tests.e2e.test_multinode import HOSTS, NodePair, needs_namespaces, node_env
+from tests.e2e.test_multinode import HOSTS, needs_namespaces, node_env
 
 BIN = Path(sys.executable).parent  # the test venv's: python with mpi4py
 SCRIPT = str(JOBS / "mpi_allreduce.py")
@@ -36,16 +38,13 @@ needs_mpi = pytest.mark.skipif(bool(_missing()), reason=f"needs Open MPI's mpiru
                                                         f"mpi4py in the test venv; missing: {_missing()}")
 
 
+node_pair = multinode.node_pair  # the fixture: two network namespaces, cleaned up whatever happens
+
+
 @pytest.fixture
-def nodes(request, tmp_path):
-    """The two nodes (test_multinode.py's NodePair), removed whatever the outcome."""
-    pair = NodePair(tmp_path)
-    request.addfinalizer(pair.close)
-    try:
-        pair.create()
-    except subprocess.CalledProcessError as exc:
-        pytest.fail(f"could not set up the namespaces: {' '.join(exc.cmd)}: {exc.stderr}")
-    return pair
+def nodes(node_pair):
+    """The two nodes: test_multinode.py's node_pair, removed whatever the outcome."""
+    return node_pair
 
 
 @pytest.fixture
@@ -169,8 +168,9 @@ def test_sigterm_to_worker_0_leaves_no_rank_orted_or_sshd_on_either_node(job_env
 
 @needs_namespaces
 @needs_mpi
-def test_a_restart_runs_mpirun_again_over_the_same_sshd(job_env, tmp_path, nodes, trusted):
-    envs = [trusted(mpi_env(job_env, tmp_path, node, FAIL_RANK=2, FAIL_ATTEMPT=1, MA_RUNTIME_MAX_RESTARTS=1))
+def test_without_trust_files_the_jobs_own_key_serves_and_a_restart_reuses_the_same_sshd(job_env, tmp_path, nodes):
+    # No MA_HOME/.ssh on either node: worker-0 makes the job's key and serves its public half, worker-1 fetches it.
+    envs = [mpi_env(job_env, tmp_path, node, FAIL_RANK=2, FAIL_ATTEMPT=1, MA_RUNTIME_MAX_RESTARTS=1)
             for node in (0, 1)]
 
     start_both(nodes, envs)
@@ -178,9 +178,13 @@ def test_a_restart_runs_mpirun_again_over_the_same_sshd(job_env, tmp_path, nodes
 
     report = nodes.report()
     assert codes == [0, 0], report
-    stderr = nodes.outputs[0].with_suffix(".err").read_text(errors="replace")
-    assert "restarting command" in stderr and stderr.count("sshd listens") == 1, report  # one sshd, two attempts
+    stderr = [nodes.outputs[node].with_suffix(".err").read_text(errors="replace") for node in (0, 1)]
+    assert "restarting command" in stderr[0] and stderr[0].count("sshd listens") == 1, report  # one sshd, 2 attempts
+    assert stderr[0].count("serving the job's public key") == 1, report
+    assert "authorized worker-0's public key" in stderr[1] and "job-worker-0.job" in stderr[1], report
     assert "rank 2 of 4 on job-worker-1.job: allreduce=10" in nodes.outputs[0].read_text(errors="replace"), report
+    assert not any((Path(env["MA_HOME"]) / ".ssh").exists() for env in envs)
+    assert namespace_pids(nodes) == [], describe(namespace_pids(nodes))  # the key server swept too
 
 
 @needs_mpi

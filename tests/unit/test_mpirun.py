@@ -1,6 +1,7 @@
 """mpirun's plans field by field, its `-x` list, its root causes and stop forwarding against the real Open MPI,
 and the sshd service (sshd.py) with the real sshd and ssh."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import children, spec, sshd
-from ma_runtime.errors import ConfigError, ExitCode
+from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
 from ma_runtime.launch import mpirun, plan
 from ma_runtime.launch.base import RootCause
 from ma_runtime.output import Sink
@@ -288,6 +289,7 @@ def test_unbalanced_extra_params_are_a_configuration_error(job):
 
 @pytest.mark.parametrize("name, value, expected", [
     ("MY_SSHD_PORT", "70000", "between 1 and 65535"),
+    ("MA_RUNTIME_MPI_KEY_PORT", "0", "between 1 and 65535"),
     ("MY_MPI_SLOTS", "0", "between 1 and 1024"),
     ("MY_MPI_BTL_TCP_IF", "eth0 eth1", "not a valid list of network interfaces"),
     ("MA_RUNTIME_MPI_EXPORT", "GOOD,1BAD", "'1BAD', not a variable name"),
@@ -436,12 +438,19 @@ def trust(home: Path, *names, key=None):
     return folder
 
 
-def start(job_spec, environ, started, sinks=(), client=False):
+def start(job_spec, environ, started, sinks=(), client=False, log=None):
     before = set(children._SERVICES)
     try:
-        sshd.start(job_spec, environ, Log(), threading.Event(), list(sinks), client=client)
+        sshd.start(job_spec, environ, log or Log(), threading.Event(), list(sinks), client=client,
+                   worker_0="localhost")
     finally:
         started.extend(set(children._SERVICES) - before)
+
+
+def login(client_config: Path, port: int):
+    """What mpirun's ssh does: the same -p and -F, to this machine."""
+    return subprocess.run([_which("ssh"), "-p", str(port), "-F", str(client_config), "127.0.0.1", "echo",
+                           "logged-in"], capture_output=True, text=True, timeout=30)
 
 
 @needs_sshd
@@ -467,10 +476,10 @@ def test_sshd_listens_as_the_jobs_service_and_lets_worker_0s_key_in_through_the_
     assert image.read_text() == "Port {{MY_SSHD_PORT}}\nClientAliveInterval 60\n"  # the image's file, untouched
     client = (folder / "ssh_config").read_text()
     assert f"IdentityFile {folder / 'ssh' / 'id_ed25519'}" in client and "ServerAliveInterval 30" in client
-    # What mpirun's ssh does: the same -p and -F, to this node.
-    login = subprocess.run([_which("ssh"), "-p", str(job_spec.sshd_port), "-F", str(folder / "ssh_config"),
-                            "127.0.0.1", "echo", "logged-in"], capture_output=True, text=True, timeout=30)
-    assert login.stdout.strip() == "logged-in", login.stderr
+    done = login(folder / "ssh_config", job_spec.sshd_port)
+    assert done.stdout.strip() == "logged-in", done.stderr
+    # The mounted files win: no key made, none served.
+    assert "id_job_ed25519" not in client and not (folder / "ssh" / "id_job_ed25519").exists()
 
 
 def _taken_port() -> socket.socket:
@@ -500,24 +509,178 @@ def test_sshd_that_cannot_bind_its_port_is_78_with_its_own_line_prefixed_in_the_
     assert not [pid for pid in started if alive(pid)]
 
 
+def _answer(port):
+    """Everything the port sends until it closes."""
+    chunks = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        while True:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+@contextlib.contextmanager
+def answering(answer: bytes):
+    """A port on 127.0.0.1 that sends `answer` to whoever connects, then closes: not worker-0's key server."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        server.close()
+
+
+def test_the_key_port_is_its_setting_else_the_sshd_port_plus_one_and_never_the_sshd_port(job):
+    assert sshd.key_port(job(MY_SSHD_PORT=2222)[0]) == 2223
+    assert sshd.key_port(job(MY_SSHD_PORT=65535)[0]) == 65534
+    assert sshd.key_port(job(MY_SSHD_PORT=2222, MA_RUNTIME_MPI_KEY_PORT=4000)[0]) == 4000
+    with pytest.raises(ConfigError, match="MA_RUNTIME_MPI_KEY_PORT=4000 is MY_SSHD_PORT's port"):
+        sshd.key_port(job(MY_SSHD_PORT=4000, MA_RUNTIME_MPI_KEY_PORT=4000)[0])
+
+
 @needs_sshd
-@pytest.mark.parametrize("index, given, missing", [
-    (0, ("authorized_keys", "id_ed25519.pub"), "no a private key"),
-    (1, ("id_ed25519", "id_ed25519.pub"), "no authorized_keys"),
-    (1, (), "no authorized_keys"),
-])
-def test_missing_trust_files_are_78_naming_the_platforms_option(node, index, given, missing):
+def test_worker_0_without_trust_files_makes_the_jobs_key_and_serves_its_public_half_only(node):
     make, started = node
-    job_spec, environ = make(index)
-    if given:
-        trust(Path(environ["MA_HOME"]), *given)
+    job_spec, environ = make(0, MA_RUNTIME_MPI_KEY_PORT=free_port())
+    log = Log()
 
-    with pytest.raises(ConfigError) as caught:
-        start(job_spec, environ, started, client=index == 0)
+    start(job_spec, environ, started, client=True, log=log)
 
-    assert missing in caught.value.reason and str(Path(environ["MA_HOME"]) / ".ssh") in caught.value.reason
-    assert "generate SSH trust files" in caught.value.hint
+    assert len(started) == 2 and all(alive(pid) for pid in started)  # the key server and sshd, the job's services
+    keys = sshd.folder(job_spec) / "ssh"
+    public = (keys / "id_job_ed25519.pub").read_bytes()
+    assert _answer(job_spec.mpi_key_port) == public == _answer(job_spec.mpi_key_port)  # to anyone, every time
+    assert public.startswith(b"ssh-ed25519 ") and public.count(b"\n") == 1
+    assert (keys / "authorized_keys").read_bytes() == public
+    assert oct(os.stat(keys / "id_job_ed25519").st_mode & 0o777) == "0o600"
+    assert log.fields("serving the job's public key") == [{"port": job_spec.mpi_key_port,
+                                                           "path": str(keys / "id_job_ed25519.pub")}]
+    # Its ssh logs in with that key (its own sshd authorizes it too).
+    done = login(sshd.folder(job_spec) / "ssh_config", job_spec.sshd_port)
+    assert done.stdout.strip() == "logged-in", done.stderr
+
+
+@needs_sshd
+def test_a_key_server_that_cannot_bind_its_port_is_78_with_its_own_line(node):
+    make, started = node
+    with _taken_port() as taken:
+        job_spec, environ = make(0, MA_RUNTIME_MPI_KEY_PORT=taken.getsockname()[1])
+
+        with pytest.raises(ConfigError) as caught:
+            start(job_spec, environ, started, client=True)
+
+    assert caught.value.reason.startswith(f"the job's key server did not start on port {job_spec.mpi_key_port}: "
+                                          f"ma-runtime: cannot listen on port {job_spec.mpi_key_port}: ")
+    assert "MA_RUNTIME_MPI_KEY_PORT" in caught.value.hint
+    assert not [pid for pid in started if alive(pid)]  # and no sshd was started
+
+
+@needs_sshd
+def test_the_key_server_refuses_to_serve_a_private_key(tmp_path):
+    key = tmp_path / "key"
+    subprocess.run([_which("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+
+    done = subprocess.run([sys.executable, "-m", "ma_runtime.sshd", "--serve-public-key", str(key), "--port",
+                           str(free_port()), "--pid-file", str(tmp_path / "pid")],
+                          capture_output=True, text=True, timeout=30)
+
+    assert done.returncode == ExitCode.BAD_CONFIGURATION, done.stderr
+    assert f"ma-runtime: {key} is not an ed25519 public key: it is not served" in done.stderr
+    assert not (tmp_path / "pid").exists()
+
+
+@needs_sshd
+def test_a_peer_without_authorized_keys_fetches_worker_0s_public_key_and_worker_0_logs_in(node):
+    make, started = node
+    port = free_port()
+    zero, zero_environ = make(0, MA_RUNTIME_MPI_KEY_PORT=port)
+    one, one_environ = make(1, MA_RUNTIME_MPI_KEY_PORT=port)
+
+    start(zero, zero_environ, started, client=True)
+    start(one, one_environ, started)
+
+    authorized = sshd.folder(one) / "ssh" / "authorized_keys"
+    assert authorized.read_bytes() == (sshd.folder(zero) / "ssh" / "id_job_ed25519.pub").read_bytes()
+    assert oct(os.stat(authorized).st_mode & 0o777) == "0o600"
+    assert not [name for name in os.listdir(sshd.folder(one) / "ssh") if name.startswith("id_")]  # no private key
+    done = login(sshd.folder(zero) / "ssh_config", one.sshd_port)  # mpirun's ssh, worker-0 to worker-1
+    assert done.stdout.strip() == "logged-in", done.stderr
+
+
+_BAD_ANSWERS = {
+    "an sshd's banner": b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n",
+    "nothing": b"",
+    "an RSA key": b"ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQ== job\n",
+    "an RSA blob labelled ed25519": b"ssh-ed25519 AAAAB3NzaC1yc2EAAAADAQABAAABAQ== job\n",
+    "two keys": b"ssh-ed25519 {key} a\nssh-ed25519 {key} b\n",
+    "options first": b'command="sh" ssh-ed25519 {key} job\n',
+    "too long": b"ssh-ed25519 {key} " + b"x" * 5000 + b"\n",
+}
+
+
+@needs_sshd
+@pytest.mark.parametrize("what", sorted(_BAD_ANSWERS))
+def test_an_answer_that_is_not_one_ed25519_public_key_is_78_and_authorizes_nothing(node, tmp_path, what):
+    make, started = node
+    key = tmp_path / "key"
+    subprocess.run([_which("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    answer = _BAD_ANSWERS[what].replace(b"{key}", Path(f"{key}.pub").read_bytes().split()[1])
+
+    with answering(answer) as port:
+        job_spec, environ = make(1, MA_RUNTIME_MPI_KEY_PORT=port)
+        with pytest.raises(ConfigError) as caught:
+            start(job_spec, environ, started)
+
+    assert caught.value.exit_code == ExitCode.BAD_CONFIGURATION
+    assert f"worker-0 (localhost) answered on port {port} with something other than the job's public key" in (
+        caught.value.reason)
+    assert "MA_RUNTIME_MPI_KEY_PORT" in caught.value.hint
+    assert started == [] and not (sshd.folder(job_spec) / "ssh" / "authorized_keys").exists()
+
+
+@needs_sshd
+def test_worker_0_never_serving_its_key_is_81_naming_it_after_logged_waits(node):
+    make, started = node
+    port = free_port()  # nothing listens there
+    job_spec, environ = make(1, MA_RUNTIME_MPI_KEY_PORT=port, MA_RUNTIME_PEER_WAIT_SECONDS=1)
+    log = Log()
+
+    with pytest.raises(LaunchTimedOut) as caught:
+        start(job_spec, environ, started, log=log)
+
+    assert caught.value.exit_code == ExitCode.TIMED_OUT
+    assert caught.value.reason.startswith(f"worker-0 (localhost) did not serve the job's public key on port {port} "
+                                          "within 1 s (127.0.0.1:")
+    assert "generate SSH trust files" in caught.value.hint and "MA_RUNTIME_PEER_WAIT_SECONDS" in caught.value.hint
+    waits = log.fields("waiting for worker-0's public key")
+    assert waits and waits[0]["host"] == "localhost" and waits[0]["port"] == port
+    assert "refuses connections" in waits[0]["why"]
     assert started == []
+
+
+@needs_sshd
+def test_a_peer_with_mounted_authorized_keys_asks_worker_0_for_nothing(node):
+    make, started = node
+    with answering(b"not a key\n") as port:  # asking it would be 78
+        job_spec, environ = make(1, MA_RUNTIME_MPI_KEY_PORT=port)
+        mounted = trust(Path(environ["MA_HOME"]), "authorized_keys")
+
+        start(job_spec, environ, started)
+
+    copied = sshd.folder(job_spec) / "ssh" / "authorized_keys"
+    assert copied.read_bytes() == (mounted / "authorized_keys").read_bytes()
 
 
 def test_one_node_starts_no_sshd(job):
