@@ -264,4 +264,5 @@ def test_an_unknown_run_method_is_one_line_naming_the_accepted_values(job_env):
     done = run_ma(["sh", "-c", "echo RAN"], {**job_env, "MA_RUN_METHOD": "horovod"})
 
     assert done.returncode == 78 and "RAN" not in done.stdout
-    assert "rtf, torchrun, msrun, plain" in done.stderr and "Traceback" not in done.stderr
+    assert "rtf, torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, plain" in done.stderr
+    assert "Traceback" not in done.stderr
