@@ -256,7 +256,7 @@ while time.monotonic() < deadline:
     try:
         with open(f"/proc/{orphan}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: reaped between the open and the read
         print("orphan reaped")
         break
     time.sleep(0.05)
@@ -268,7 +268,7 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
         with open(f"/proc/{pid}/stat") as f:
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 zombies.append(pid)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         pass
 print(f"zombies={len(zombies)}")
 """
