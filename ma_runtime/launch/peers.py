@@ -30,7 +30,9 @@ from ma_runtime.errors import ExitCode, LaunchTimedOut
 
 PERIOD_S = 1.0
 GONE_AFTER = 3  # probes in a row: one lost SYN is not a node gone
-CONNECT_TIMEOUT_S = 2.0
+# A connect to a host that drops packets blocks this long: the watcher answers a stop between two probes, so
+# this bounds how late (a cluster's SYN gets its answer in milliseconds; the wait retries anyway).
+CONNECT_TIMEOUT_S = 1.0
 # Backoff of the waits for a node to appear: quick at first (pods start together), then every 2 s.
 FIRST_PAUSE_S, MAX_PAUSE_S = 0.25, 2.0
 # The watched command gets this long between SIGTERM and SIGKILL once the others are gone.
@@ -131,8 +133,10 @@ class _Watch:
         self.failures = {endpoint: 0 for endpoint in self.endpoints}
         self.failing_since: Dict[Endpoint, float] = {}
 
-    def look(self) -> None:
+    def look(self, stop: threading.Event) -> None:
         for endpoint in self.endpoints:
+            if stop.is_set():
+                return  # a stop is answered within one probe, however many endpoints are watched
             if self.gone(endpoint):
                 continue  # gone stays gone: a later answer is someone else (a restarted pod is a new job run)
             address, _ = probe(*endpoint)
@@ -189,7 +193,7 @@ def _watch(watch: _Watch, appear_seconds: float, child: Optional[subprocess.Pope
             return _status(child.returncode)  # the command's own end decides
         if stop.is_set():
             return _status(child.wait()) if child is not None else 128 + signal.SIGTERM
-        watch.look()
+        watch.look(stop)
         if watch.all_gone():
             _say("every node watched has finished: " + ", ".join(f"{h}:{p}" for h, p in watch.endpoints))
             if child is not None:
