@@ -25,6 +25,17 @@ class StorageError(RuntimeFailure):
     exit_code = ExitCode.STORAGE_FAILED
     category = Category.INFRASTRUCTURE
     stage = "stage-in"
+    # True when the store refused this one object (its name, its size, its bytes), not us: the other objects may
+    # still go, so a sync sets the file aside and goes on. An outage (unreachable, 5xx, throttled, access denied,
+    # a missing bucket) is not a refusal: it ends a sync's cycle.
+    refusal = False
+
+
+class ObjectRefused(StorageError):
+    """A 4xx for one object that is not authentication, throttling or a missing bucket (a key the store will not
+    take: too long, a control character; an entity too large)."""
+
+    refusal = True
 
 
 class TransientError(StorageError):

@@ -1,0 +1,145 @@
+"""Checkpoint units: which files complete a checkpoint (markers), which folder each completes, which files are a
+writer's scratch and never synced, and the newest complete unit of a folder (what a restart resumes from).
+
+One place for what the runtime knows of the frameworks' checkpoint layouts; the sync (engine.py), the
+pre-download of outputs (stagein.py) and the resume variable (resume.py) all ask here.
+
+A marker is a file a framework writes after every other file of a checkpoint. Its pattern is a glob over the
+last components of a relative path (`checkpoint-*/trainer_state.json` matches `run/checkpoint-20/trainer_state.json`,
+`*.done` any file ending in .done). A plain marker completes the folder holding it. A pointer marker (Megatron's
+`latest_checkpointed_iteration.txt`, DeepSpeed's `latest`) names, in its content, the folder it completes, beside
+it: `1000` -> `iter_0001000/`, `release` -> `release/`, `global_step1000` -> `global_step1000/`; when the content
+names no folder that exists, it completes its own folder, as a plain marker does.
+
+What each framework writes last (see the README's table):
+- Hugging Face Trainer: `checkpoint-N/trainer_state.json` (after the model, optimizer, scheduler, RNG states);
+- Megatron-LM / MindSpeed-LLM / AscendSpeed / ModelLink: `latest_checkpointed_iteration.txt` at the save root,
+  after every rank's `iter_NNNNNNN/mp_rank_XX/...` (a barrier before it);
+- DeepSpeed: `latest` at the save root (rank 0, after every rank's `global_stepN/` files);
+- torch.distributed.checkpoint (Megatron's torch_dist format too): `.metadata`, written last by the coordinator;
+- anything else: `*.done`, written by the job itself after its files.
+"""
+
+import fnmatch
+import os
+import re
+from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+DEFAULT_MARKERS: Tuple[str, ...] = (
+    "checkpoint-*/trainer_state.json",
+    "latest_checkpointed_iteration.txt",
+    "latest",
+    ".metadata",
+    "*.done",
+)
+# Markers whose content names the folder they complete, and how.
+POINTERS = {
+    "latest_checkpointed_iteration.txt": "megatron",
+    "latest": "deepspeed",
+}
+# Writers' temporary files: complete under another name a moment later, torn if the writer dies. Matched against
+# the file's name and the name of every folder above it.
+DEFAULT_EXCLUDES: Tuple[str, ...] = (
+    ".tmp*",  # tempfile's NamedTemporaryFile(dir=...) names: .tmpQeIoOo (safetensors/torch writers)
+    "*.tmp",
+    "*.partial",
+    "tmp-checkpoint-*",  # transformers 4.36-4.38 staged checkpoint-N/ under this name, then renamed it
+    "*.ma-partial",  # our own downloads' partial files
+)
+POINTER_LIMIT = 4096  # bytes of a pointer marker read: a number or a tag, never more
+_ITERATION = re.compile(r"\s*(\d+)\s*\Z")
+
+
+def matches(relative: str, pattern: str) -> bool:
+    """Whether the last components of `relative` ('/'-separated) match `pattern`, component by component."""
+    wanted = pattern.strip("/").split("/")
+    parts = relative.split("/")
+    if len(parts) < len(wanted):
+        return False
+    return all(fnmatch.fnmatchcase(part, glob) for part, glob in zip(parts[-len(wanted):], wanted))
+
+
+def folder_of(relative: str) -> str:
+    """'' for the top of the channel."""
+    return relative.rpartition("/")[0]
+
+
+def under(relative: str, folder: str) -> bool:
+    return not folder or relative.startswith(folder + "/")
+
+
+class Units:
+    def __init__(self, markers: Sequence[str] = DEFAULT_MARKERS, excludes: Sequence[str] = DEFAULT_EXCLUDES):
+        self.markers = tuple(markers)
+        self.excludes = tuple(excludes)
+
+    def is_marker(self, relative: str) -> bool:
+        return any(matches(relative, pattern) for pattern in self.markers)
+
+    def excluded(self, relative: str) -> bool:
+        """A writer's scratch file, or a file under a scratch folder."""
+        return any(fnmatch.fnmatchcase(part, glob) for part in relative.split("/") for glob in self.excludes)
+
+    def pointer_kind(self, relative: str) -> Optional[str]:
+        name = relative.rpartition("/")[2]
+        return POINTERS.get(name) if self.is_marker(relative) else None
+
+    def unit_of(self, marker: str, read: Callable[[str], Optional[bytes]],
+                exists: Callable[[str], bool]) -> str:
+        """The folder (relative, '' for the top) that `marker` completes. `read(relative)`: the marker's bytes
+        (None when unreadable); `exists(relative)`: whether that folder exists."""
+        own = folder_of(marker)
+        kind = self.pointer_kind(marker)
+        if kind is None:
+            return own
+        named = pointed_folder(kind, read(marker))
+        if named is None:
+            return own
+        candidate = f"{own}/{named}" if own else named
+        return candidate if exists(candidate) else own
+
+
+def pointed_folder(kind: str, content: Optional[bytes]) -> Optional[str]:
+    """The folder name a pointer marker's content names, or None."""
+    if not content:
+        return None
+    text = content[:POINTER_LIMIT].decode("utf-8", "replace").strip()
+    if not text or "/" in text or text in (".", "..") or "\n" in text:
+        return None
+    if kind == "megatron":
+        number = _ITERATION.match(text)
+        if number:
+            return f"iter_{int(number.group(1)):07d}"
+        return "release" if text == "release" else None
+    return text  # deepspeed: the tag is the folder's name
+
+
+class Unit(NamedTuple):
+    folder: str  # relative to the channel's root; '' for the root itself
+    marker: str  # the marker's relative path
+    mtime_ns: int  # the marker's
+
+
+def complete_units(root: str, units: Units, relatives: Iterable[str]) -> List[Unit]:
+    """The complete units among `relatives` (the files of the folder `root`), oldest marker first."""
+    found: List[Unit] = []
+
+    def read(relative: str) -> Optional[bytes]:
+        try:
+            with open(os.path.join(root, relative), "rb") as source:
+                return source.read(POINTER_LIMIT)
+        except OSError:
+            return None
+
+    def exists(relative: str) -> bool:
+        return os.path.isdir(os.path.join(root, relative))
+
+    for relative in relatives:
+        if not units.is_marker(relative) or units.excluded(relative):
+            continue
+        try:
+            mtime_ns = os.stat(os.path.join(root, relative)).st_mtime_ns
+        except OSError:
+            continue
+        found.append(Unit(units.unit_of(relative, read, exists), relative, mtime_ns))
+    return sorted(found, key=lambda unit: (unit.mtime_ns, unit.folder))
