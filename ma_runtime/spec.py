@@ -137,11 +137,39 @@ def _targets(text: str) -> Tuple[Tuple[str, Path], ...]:
 
 
 def _globs(text: str) -> Tuple[str, ...]:
-    """`latest_checkpointed_iteration.txt,*.done`: file-name patterns (fnmatch), never a path."""
+    """`*.bak,scratch-*`: file-name patterns (fnmatch), never a path."""
     patterns = tuple(dict.fromkeys(word.strip() for word in str(text).split(",") if word.strip()))
     if any("/" in pattern or len(pattern) > 255 for pattern in patterns):
         raise BadValue("must list file-name patterns (no '/'), separated by commas")
     return patterns
+
+
+def _excludes(text: str) -> Tuple[str, ...]:
+    """File or folder names never synced: the writers' temporary files (units.DEFAULT_EXCLUDES) and these."""
+    from ma_runtime.sync.units import DEFAULT_EXCLUDES
+
+    return tuple(dict.fromkeys((*DEFAULT_EXCLUDES, *_globs(text))))
+
+
+def _marker_globs(text: str) -> Tuple[str, ...]:
+    """`checkpoint-*/trainer_state.json,*.done`: patterns over the last components of a path (units.matches),
+    replacing the defaults; `+step.ok,...` (a leading +) adds them to the defaults instead."""
+    from ma_runtime.sync.units import DEFAULT_MARKERS
+
+    text = str(text).strip()
+    extend = text.startswith("+")
+    patterns = tuple(dict.fromkeys(word.strip() for word in text.lstrip("+").split(",") if word.strip()))
+    bad = [p for p in patterns if len(p) > 255 or p.startswith("/") or ".." in p.split("/") or not p.strip("/")]
+    if bad or not patterns:
+        raise BadValue(f"has a bad pattern {bad[0] if bad else text!r}; expected globs like *.done or "
+                       "checkpoint-*/trainer_state.json, separated by commas (a leading + adds to the defaults)")
+    return tuple(dict.fromkeys((*DEFAULT_MARKERS, *patterns))) if extend else patterns
+
+
+def _default_markers() -> Tuple[str, ...]:
+    from ma_runtime.sync.units import DEFAULT_MARKERS
+
+    return DEFAULT_MARKERS
 
 
 def _regex(text: str) -> str:
@@ -326,10 +354,15 @@ SETTINGS: Tuple[Setting, ...] = (
              "two log sync cycles", 30.0),
             ("final_seconds", "MA_RUNTIME_FINAL_SYNC_SECONDS", _seconds, "deadline of the final sync, from the stop "
              "request (or the command's end)", 25.0),
-            ("markers", "MA_RUNTIME_SYNC_MARKERS", _globs, "completion-marker file names (globs): the folder "
-             "holding one is uploaded first, the marker last", ("latest_checkpointed_iteration.txt", "*.done")),
+            ("markers", "MA_RUNTIME_SYNC_MARKERS", _marker_globs, "completion markers (globs over a path's last "
+             "components; a leading + extends the defaults): the unit a marker completes goes up first, the marker "
+             "last", _default_markers()),
+            ("exclude", "MA_RUNTIME_SYNC_EXCLUDE", _excludes, "more names (globs) never synced, beside the writers' "
+             "temporary files (.tmp*, *.tmp, *.partial, tmp-checkpoint-*)", _excludes("")),
         )
     ),
+    Setting("resume", "MA_RUNTIME_RESUME", _choice(("auto", "off")), "auto: every attempt gets MA_RESUME_CHECKPOINT, "
+            "the newest complete checkpoint under the output folders; off: not set", "auto", cli=False),
     Setting("storage_endpoint", "MA_S3_ENDPOINT", str, "OBS endpoint, e.g. https://obs.cn-north-4.myhuaweicloud.com",
             cli=False),
     Setting("storage_use_https", "S3_USE_HTTPS", _switch, "HTTPS (1) or HTTP (0) for an endpoint without scheme",
@@ -505,6 +538,8 @@ class JobSpec:
     sync_log_interval_seconds: float
     sync_final_seconds: float
     sync_markers: Tuple[str, ...]
+    sync_exclude: Tuple[str, ...]
+    resume: str
     # Ordered (name, value) pairs, appended to the command as --name=value.
     hyperparameters: Tuple[Tuple[str, str], ...] = ()
     inputs: Tuple["Channel", ...] = ()

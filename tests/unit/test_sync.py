@@ -33,7 +33,7 @@ from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import AccessDenied, TransientError
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.stores import open_store
-from ma_runtime.sync import control, engine, targets, tree
+from ma_runtime.sync import control, engine, targets, tree, units
 from ma_runtime.sync.engine import ChannelSync, Target
 from ma_runtime.sync.manifest import Manifest, Record
 from tests.conftest import _JOB_VARIABLES, alive
@@ -989,19 +989,31 @@ def test_an_outputs_sync_and_delete_must_be_booleans(tmp_path, key, value):
     assert "outputs[0]" in caught.value.reason
 
 
-@pytest.mark.parametrize("markers", ["ck/*.done", "*.done,iter_*/latest", "/abs.done"])
-def test_sync_markers_with_a_slash_are_refused(tmp_path, markers):
+@pytest.mark.parametrize("markers", ["/abs.done", "../up.done", "ck/../x", ",", "+", "/"])
+def test_bad_sync_markers_are_refused(tmp_path, markers):
     with pytest.raises(ConfigError) as caught:
         load_spec(tmp_path, env={"MA_RUNTIME_SYNC_MARKERS": markers})
 
     assert caught.value.exit_code == ExitCode.BAD_CONFIGURATION
-    assert "MA_RUNTIME_SYNC_MARKERS" in caught.value.reason and "no '/'" in caught.value.reason
+    assert "MA_RUNTIME_SYNC_MARKERS" in caught.value.reason and "bad pattern" in caught.value.reason
 
 
-def test_sync_markers_are_file_name_globs(tmp_path):
-    spec = load_spec(tmp_path, env={"MA_RUNTIME_SYNC_MARKERS": " *.done , COMPLETE,*.done"})
+def test_sync_markers_replace_the_defaults_or_extend_them_with_a_leading_plus(tmp_path):
+    replaced = load_spec(tmp_path, env={"MA_RUNTIME_SYNC_MARKERS": " *.done , COMPLETE,*.done, ck-*/state.json"})
+    extended = load_spec(tmp_path, env={"MA_RUNTIME_SYNC_MARKERS": "+step.ok"})
+    default = load_spec(tmp_path)
 
-    assert spec.sync_markers == ("*.done", "COMPLETE")
+    assert replaced.sync_markers == ("*.done", "COMPLETE", "ck-*/state.json")
+    assert default.sync_markers == units.DEFAULT_MARKERS
+    assert "checkpoint-*/trainer_state.json" in default.sync_markers
+    assert extended.sync_markers == (*units.DEFAULT_MARKERS, "step.ok")
+
+
+def test_sync_exclude_extends_the_writers_temporary_files(tmp_path):
+    spec = load_spec(tmp_path, env={"MA_RUNTIME_SYNC_EXCLUDE": "*.bak, scratch"})
+
+    assert spec.sync_exclude == (*units.DEFAULT_EXCLUDES, "*.bak", "scratch")
+    assert load_spec(tmp_path).sync_exclude == units.DEFAULT_EXCLUDES
 
 
 @pytest.mark.parametrize("value", ["0", "0.05", "3601", "-1", "nan", "inf", "five"])
