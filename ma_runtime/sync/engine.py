@@ -2,39 +2,50 @@
 
 A cycle (`ChannelSync.cycle`):
 1. scans the folder (tree.py) and keeps the files whose identity differs from what the manifest says was
-   uploaded;
-2. of those, takes the stable ones: the same identity as at the previous cycle's look (a file still being
-   written is taken next cycle). At the final sync the command's processes are gone, so one look is enough;
-   logs are append-only, so a growing log is taken as a snapshot of its current length (a prefix of what
-   it will be, never a torn mix);
+   uploaded, less the writers' temporary files (units.py: `.tmp*`, `*.tmp`, `*.partial`, ...);
+2. of those, takes the whole ones: closed by their writer (no process holds the file open for writing,
+   writers.py: a file renamed into place is complete the moment it appears), or the same identity as at the
+   previous cycle's look when that cannot be told. A file still being written is taken next cycle. Logs are
+   append-only, so a growing log is taken as a snapshot of its current length (a prefix of what it will be,
+   never a torn mix). At a final sync after the command ended by itself every file is final; after the
+   workers were stopped (a SIGTERM, a hang, a failure of another rank), a file that would replace an object is
+   taken only if a look before the stop found it whole and it has not changed since: a checkpoint rewritten in
+   place when the stop came never replaces the good one in the store (it is listed "being written at the stop");
 3. uploads them: small ones (< SMALL_LIMIT) read into memory once, checked unchanged after the read, and sent
    from those bytes with their MD5 (the object is exactly the bytes checked, whatever the file does next);
-   large ones as a resumable multipart upload (transfer.Multipart) that is completed only when the file is
-   still the one it started from;
-4. uploads completion markers last: a folder holding a file whose name matches a marker pattern is a unit, and
-   its marker goes up only after every other changed file under that folder did, deepest marker first. A unit
-   with a file not yet stable, or one that failed, keeps its marker back: the store never shows a marker
-   next to a checkpoint that is not all there.
+   large ones as a resumable multipart upload (transfer.Multipart) from a descriptor opened once (a file
+   renamed over meanwhile still sends the version it started with) and completed only when that file is
+   unchanged. An upload counts only when the store confirmed it (the storage layer's rule);
+4. uploads completion markers last (units.py: which files are markers, which folder each completes): a marker
+   goes up only after every changed file of its unit did, deepest marker first. A unit with a file not yet
+   whole, refused, or failed keeps its marker back. Before the first changed file of a unit whose marker is
+   in the store goes up, that marker is withdrawn (deleted, whatever `delete` says: it is ours), and published
+   again once the unit is whole: a reader that waits for the marker never sees half a checkpoint, even when
+   the names are reused.
 Order within a cycle: small files, the markers that are ready, large files, the markers ready then.
 
-The first storage failure ends a cycle (the endpoint is down or refuses us: trying the 9 999 other files
-would only take longer); the next cycle tries again. With a deadline (the final sync), every wait ends by
+A failure that is an outage (unreachable, 5xx after the retries, access denied, a missing bucket) ends a cycle:
+trying the 9 999 other files would only take longer; the next cycle tries again. A refusal of one object (a key
+the store will not take) sets that file aside with one warning until it changes, and the cycle goes on. Any
+other error is logged once with the file and its cause. With a deadline (the final sync), every wait ends by
 it, and what was not confirmed uploaded is returned as missing.
 
 Deletes are not propagated unless the channel says `delete: true`, and then only for files this sync
 uploaded: an output folder's objects may be a pre-downloaded earlier run's checkpoints that the job rotated
 away locally to save disk, and a sync must not turn a full local disk into lost checkpoints.
+
+The records (the manifest, the multipart uploads') are an optimisation: when the state folder cannot take
+them (full, read-only) the sync goes on with them in memory, and says so once.
 """
 
 import dataclasses
-import fnmatch
 import os
 import stat
 import threading
 import time
 from concurrent.futures import ALL_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ma_runtime.storage import url as url_module
 from ma_runtime.storage.base import FileChanged, StorageError
@@ -50,15 +61,19 @@ from ma_runtime.storage.transfer import (
     object_url,
     settle_uploads,
 )
+from ma_runtime.sync import writers
 from ma_runtime.sync.manifest import Manifest, Record
 from ma_runtime.sync.targets import Target
 from ma_runtime.sync.tree import Entry, Skipped, scan
+from ma_runtime.sync.units import Units, folder_of, under
 
 MiB = 1 << 20
 # Read into memory and sent with its MD5 below this; bounds memory at workers x SMALL_LIMIT.
 SMALL_LIMIT = 4 * MiB
 # How long a periodic cycle retries one request: the next cycle is the real retry.
 PERIODIC_RETRY_SECONDS = 10.0
+AT_THE_STOP = "being written at the stop"
+REFUSED = "refused by the store"
 
 
 @dataclasses.dataclass
@@ -83,7 +98,8 @@ class ChannelSync:
         self.target = target
         self.store = store
         self.log = log
-        self.markers = tuple(markers)
+        # `markers`: a Units, or marker globs (with the default excludes).
+        self.units = markers if isinstance(markers, Units) else Units(tuple(markers))
         self.location = url_module.parse(target.url, f"output {target.name}")
         key = self.location.key
         self.prefix = key if (not key or key.endswith("/")) else key + "/"
@@ -92,21 +108,34 @@ class ChannelSync:
         self.manifest = Manifest.load(Path(state_dir) / f"{name_digest(target.url, target.root)}.manifest.json",
                                       target.url)
         self.seen: Dict[str, tuple] = {}  # the identity of each changed file at the last look
+        self.whole: Dict[str, tuple] = {}  # the identity at the last look that found the file whole
+        self.refused: Dict[str, tuple] = {}  # set aside: the store refused this version of the file
+        self.published: Dict[str, str] = {}  # a marker in the store -> the folder it was published for
+        self.listed: Set[str] = set()  # the keys the start-up listing found
         self.walk_cpu = 0.0  # CPU seconds of the last cycle's walk of the folder
         self.skipped = Skipped(log.warning)
+        self.warned: Set[Tuple[str, str]] = set()  # (event, path): warnings already given
         self.lock = threading.Lock()  # the manifest, from the upload threads
 
     # ------------------------------------------------------------------ start
 
-    def start(self) -> None:
-        """Once per uploader: forget what the store lost, and settle the multipart uploads a crash left."""
+    def start(self, stop: Optional[threading.Event] = None) -> None:
+        """Once per uploader: forget what the store lost, and settle the multipart uploads a crash left. `stop`
+        (the final sync asked for) cuts it short: the final sync then goes on with the manifest as it is."""
         try:
-            listed = {info.key: info for info in self.store.list(self.location.bucket, self.prefix)}
+            listed = self._listing(stop)
+            if listed is None:
+                self.log.info("the final sync began before the store was listed: the manifest is trusted",
+                              name=self.target.name)
+                return
+            self.listed = set(listed)
             forgotten = self.manifest.keep_listed({key: info.etag for key, info in listed.items()}, self.key_of)
             if forgotten:
                 self.log.info("objects missing or replaced in the store will be uploaded again", name=self.target.name,
                               files=forgotten)
-            self._adopt(listed)
+            self._adopt(listed, stop)
+            if stop is not None and stop.is_set():
+                return
             aborted = settle_uploads(self.store, self.options.state_dir, self.url_prefix, self._still_same, self.log)
             if aborted:
                 self.log.info("aborted unfinished uploads of files that changed", name=self.target.name,
@@ -115,10 +144,34 @@ class ChannelSync:
             self.log.warning(f"{self._kind} upload failed", name=self.target.name, url=self.target.url,
                              error=str(exc))
 
-    def _adopt(self, listed) -> None:
+    def _listing(self, stop: Optional[threading.Event]) -> Optional[dict]:
+        """key -> ObjectInfo under the prefix; None when `stop` came first (the listing goes on in its thread,
+        and its answer is dropped)."""
+        answer: Dict[str, object] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                answer["value"] = {info.key: info for info in self.store.list(self.location.bucket, self.prefix)}
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                answer["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="sync-listing", daemon=True).start()
+        while not done.wait(0.05):
+            if stop is not None and stop.is_set():
+                return None
+        if "error" in answer:
+            raise answer["error"]
+        return answer["value"]
+
+    def _adopt(self, listed, stop: Optional[threading.Event]) -> None:
         """Files already in the store byte for byte (a pre-downloaded output) are recorded, not uploaded again.
         Only an object whose ETag is its MD5 can be compared so; a multipart one is uploaded once more."""
         for relative, entry in scan(str(self.target.root), self.skipped).items():
+            if stop is not None and stop.is_set():
+                break
             info = listed.get(self.key_of(relative))
             if self.manifest.get(relative) or info is None or info.size != entry.size or not info.md5:
                 continue
@@ -136,7 +189,9 @@ class ChannelSync:
     # ------------------------------------------------------------------ a cycle
 
     def cycle(self, final: bool = False, deadline: Optional[float] = None, only: Optional[Callable[[str], bool]] = None,
-              stop: Optional[threading.Event] = None) -> Result:
+              stop: Optional[threading.Event] = None, stopped_at: Optional[float] = None) -> Result:
+        """`stopped_at` (a final sync only): the time (time.time()) the workers were asked to stop, when they
+        were; None when the command ended by itself."""
         started = time.monotonic()
         # The cycle's own stop (a failure ends this cycle), which the caller's (the final sync asked for) also sets.
         stop = EitherStop(stop) if stop is not None else threading.Event()
@@ -144,17 +199,16 @@ class ChannelSync:
         walk_started = time.thread_time()
         entries = scan(str(self.target.root), self.skipped, self.manifest.files, present)  # changed files only
         self.walk_cpu = time.thread_time() - walk_started
-        if only is not None:
-            entries = {relative: entry for relative, entry in entries.items() if only(relative)}
-        changed = list(entries)
-        if final or self.target.is_log:
-            ready = changed
-        else:
-            ready = [relative for relative in changed if self.seen.get(relative) == entries[relative].identity]
-        self.seen = {relative: entries[relative].identity for relative in changed}
+        entries = {relative: entry for relative, entry in entries.items()
+                   if (only is None or only(relative)) and not self.units.excluded(relative)}
+        ready, at_stop = self._ready(entries, final, stopped_at)
+        set_aside = {relative for relative in ready if self.refused.get(relative) == entries[relative].identity}
         result = Result()
         run = _Run(self, entries, result, deadline, stop, final)
-        run.held.update(set(changed) - set(ready))
+        run.held.update(set(entries) - set(ready))
+        run.refused.update(set_aside)
+        run.why.update({relative: AT_THE_STOP for relative in at_stop})
+        ready = [relative for relative in ready if relative not in set_aside]
         if ready:
             run.all(ready)
         if present is not None:
@@ -163,20 +217,107 @@ class ChannelSync:
             self._save_manifest()
         result.seconds = time.monotonic() - started
         with run.lock:  # after a deadline, upload threads may still be finishing
-            result.missing = sorted(self._missing(run.held | run.pending)) if final else []
+            result.missing = self._missing(run) if final else []
         self._report(result, final, whole=only is None)
         return result
 
-    def _missing(self, relatives: Set[str]) -> List[str]:
-        """What a final sync did not upload. A log with an earlier copy in the store is not missing: a log only
-        grows, so the store has all of it but the last lines (the next sync of the same folder sends them)."""
-        if not self.target.is_log:
-            return list(relatives)
-        return [relative for relative in relatives if self.manifest.get(relative) is None]
+    def _ready(self, entries: Dict[str, Entry], final: bool,
+               stopped_at: Optional[float]) -> Tuple[List[str], List[str]]:
+        """(the changed files to upload now, those held because they were being written at the stop)."""
+        changed = list(entries)
+        if self.target.is_log or (final and stopped_at is None):
+            return changed, []
+        if final:
+            return self._ready_after_stop(entries, stopped_at)
+        unsettled = [relative for relative in changed if self.seen.get(relative) != entries[relative].identity]
+        closed = self._closed(entries, unsettled)
+        ready = [relative for relative in changed if self.seen.get(relative) == entries[relative].identity
+                 or relative in closed]
+        self.seen = {relative: entries[relative].identity for relative in changed}
+        self.whole = {relative: identity for relative, identity in self.whole.items() if relative in entries}
+        self.whole.update((relative, entries[relative].identity) for relative in ready)
+        return ready, []
+
+    def _closed(self, entries: Dict[str, Entry], relatives: List[str]) -> Set[str]:
+        """Those of `relatives` no process holds open for writing (none, when that cannot be told)."""
+        if not relatives:
+            return set()
+        writing = writers.open_for_writing([str(self.target.root)], {entries[r].ino for r in relatives})
+        if writing is None:
+            return set()
+        return {relative for relative in relatives if entries[relative].ino not in writing}
+
+    def _ready_after_stop(self, entries: Dict[str, Entry], stopped_at: float) -> Tuple[List[str], List[str]]:
+        """After the workers were stopped: a file that would replace an object goes up only if a look before the
+        stop found it whole and it has not changed since; a new file goes up (it replaces nothing)."""
+        stop_ns = int(stopped_at * 1e9)
+        ready, at_stop = [], []
+        for relative, entry in entries.items():
+            replaces = self.manifest.get(relative) is not None or self.key_of(relative) in self.listed
+            settled = entry.identity in (self.whole.get(relative), self.seen.get(relative))
+            if not replaces or (settled and entry.mtime_ns < stop_ns):
+                ready.append(relative)
+            else:
+                at_stop.append(relative)
+        if at_stop:
+            self.log.warning("files being written when the workers were stopped are not synced: the store keeps "
+                             "their last whole version", name=self.target.name, files=len(at_stop),
+                             first=", ".join(sorted(at_stop)[:3]))
+        return ready, at_stop
+
+    def _missing(self, run: "_Run") -> List[str]:
+        """What a final sync did not upload, each with why when that is known. A log with an earlier copy in the
+        store is not missing: a log only grows, so the store has all of it but the last lines (the next sync of
+        the same folder sends them)."""
+        relatives = run.held | run.pending | run.refused
+        if self.target.is_log:
+            relatives = {relative for relative in relatives if self.manifest.get(relative) is None}
+        return [f"{relative} ({run.why[relative]})" if relative in run.why else relative
+                for relative in sorted(relatives)]
 
     def is_marker(self, relative: str) -> bool:
-        name = relative.rpartition("/")[2]
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.markers)
+        return self.units.is_marker(relative)
+
+    def unit_of(self, marker: str) -> str:
+        """The folder `marker` completes, by its content now (a pointer's) or its place."""
+        root = str(self.target.root)
+
+        def read(relative: str) -> Optional[bytes]:
+            try:
+                with open(os.path.join(root, relative), "rb") as source:
+                    return source.read(4096)
+            except OSError:
+                return None
+
+        return self.units.unit_of(marker, read, lambda relative: os.path.isdir(os.path.join(root, relative)))
+
+    def warn_once(self, event: str, path: str, **fields) -> None:
+        if (event, path) not in self.warned:
+            self.warned.add((event, path))
+            self.log.warning(event, name=self.target.name, path=path, **fields)
+
+    # ------------------------------------------------------------------ markers in the store
+
+    def withdraw_markers(self, relatives: List[str], run: "_Run") -> bool:
+        """Deletes from the store each marker we published whose unit holds one of `relatives` (about to go up),
+        before they do; False when the store failed (the cycle ends: nothing of those units goes up)."""
+        for marker in [m for m in self.manifest.relatives() if self.is_marker(m)]:
+            unit = self.published.get(marker)
+            if unit is None:
+                present = os.path.lexists(os.path.join(self.target.root, marker))
+                unit = self.unit_of(marker) if present else folder_of(marker)
+            if not any(relative != marker and under(relative, unit) for relative in relatives):
+                continue
+            try:
+                run.calls(self.store.delete, self.location.bucket, self.key_of(marker))
+            except StorageError as exc:
+                run.fail(marker, exc)
+                return False
+            with self.lock:
+                self.manifest.drop(marker)
+                self.published.pop(marker, None)
+            self.log.info("marker withdrawn while its checkpoint changes", name=self.target.name, path=marker)
+        return True
 
     # ------------------------------------------------------------------ one file
 
@@ -202,16 +343,8 @@ class ChannelSync:
 
     def _read(self, entry: Entry) -> bytes:
         """The file's bytes as the scan saw it, or _Later. O_NONBLOCK: a FIFO put there since never blocks."""
+        fd = self._open(entry)
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except PermissionError:
-            raise _Unreadable("permission denied") from None
-        except FileNotFoundError:
-            raise _Later() from None
-        try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode) or not self._same(entry, before):
-                raise _Later()
             data = _read_exactly(fd, entry.size)
             if len(data) < entry.size or not self._same(entry, os.fstat(fd), after_read=True):
                 raise _Later()
@@ -220,6 +353,27 @@ class ChannelSync:
             raise _Unreadable(exc.strerror or str(exc)) from None
         finally:
             os.close(fd)
+
+    def _open(self, entry: Entry) -> int:
+        """A descriptor of the very file the scan saw (its version stays readable whatever the path does next),
+        or _Later / _Unreadable."""
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except PermissionError:
+            raise _Unreadable("permission denied") from None
+        except FileNotFoundError:
+            raise _Later() from None
+        except OSError as exc:
+            raise _Unreadable(exc.strerror or str(exc)) from None
+        try:
+            before = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise _Unreadable(exc.strerror or str(exc)) from None
+        if not stat.S_ISREG(before.st_mode) or not self._same(entry, before):
+            os.close(fd)
+            raise _Later()
+        return fd
 
     def _same(self, entry: Entry, stats: os.stat_result, after_read: bool = False) -> bool:
         """Still the file the scan saw. A log may have grown (its first `size` bytes are what is sent)."""
@@ -230,28 +384,23 @@ class ChannelSync:
         return (stats.st_size, stats.st_mtime_ns) == (entry.size, entry.mtime_ns)
 
     def _put_large(self, relative: str, entry: Entry, stop: threading.Event) -> int:
+        fd = self._open(entry)
         try:
-            stats = os.stat(entry.path)
-        except FileNotFoundError:
-            raise _Later() from None
-        if not self._same(entry, stats):
-            raise _Later()
-        url = object_url(self.location, self.key_of(relative))
-
-        def unchanged() -> bool:
-            try:
-                return self._same(entry, os.stat(entry.path))
-            except OSError:
-                return False
-
-        upload = Multipart(self.store, self.location.bucket, self.key_of(relative), url, Path(entry.path), stats,
-                            self.options, self.log, size=entry.size, unchanged=unchanged, stop=stop, quiet=True)
-        try:
+            stats = os.fstat(fd)
+            # The parts are read through this descriptor: a file renamed over meanwhile (the next `last.ckpt`)
+            # still sends the version this upload started with, whole.
+            source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else entry.path
+            url = object_url(self.location, self.key_of(relative))
+            upload = Multipart(self.store, self.location.bucket, self.key_of(relative), url, Path(entry.path), stats,
+                               self.options, self.log, size=entry.size, stop=stop, quiet=True, source=source,
+                               unchanged=lambda: self._same(entry, os.fstat(fd)))
             info = upload.run()
         except FileChanged:
             raise _Later() from None
         except PermissionError:
             raise _Unreadable("permission denied") from None
+        finally:
+            os.close(fd)
         self._record(relative, Record(entry.identity, None, info.etag))
         return entry.size
 
@@ -272,8 +421,9 @@ class ChannelSync:
     def _save_manifest(self, force: bool = True) -> None:
         try:
             self.manifest.save(force)
-        except OSError as exc:  # costs re-uploads after a restart, not the job
-            self.log.warning("could not save the sync manifest", path=str(self.manifest.path), error=str(exc))
+        except OSError as exc:  # costs re-uploads after a restart, not the job: kept in memory meanwhile
+            self.warn_once("the sync manifest cannot be written: kept in memory (a later runtime uploads these "
+                           "files again)", str(self.manifest.path), error=str(exc))
 
     # ------------------------------------------------------------------ deletes and events
 
@@ -298,12 +448,15 @@ class ChannelSync:
         return "log" if self.target.is_log else "output"
 
     def _report(self, result: Result, final: bool, whole: bool) -> None:
-        """The platform's event for each cycle that uploaded something, and at the end of a final sync that
-        left nothing out, whatever it uploaded (the channel is then complete in the store)."""
-        complete_at_the_end = final and whole and not result.missing and not result.error
-        if result.files or complete_at_the_end:
-            self.log.info(f"{self._kind} upload completed", name=self.target.name, elapsed_s=round(result.seconds, 3),
-                          files=result.files, bytes=result.bytes, final=True if final else None)
+        """The platform's event for each cycle that uploaded something, and at the end of a final sync: completed
+        (whatever it uploaded, the channel is then complete in the store), or incomplete, with how many files
+        it left out."""
+        fields = dict(name=self.target.name, elapsed_s=round(result.seconds, 3), files=result.files,
+                      bytes=result.bytes)
+        if final and whole and (result.missing or result.error):
+            self.log.warning(f"{self._kind} upload incomplete", **fields, missing=len(result.missing), final=True)
+        elif result.files or (final and whole):
+            self.log.info(f"{self._kind} upload completed", **fields, final=True if final else None)
         if result.error:
             self.log.warning(f"{self._kind} upload failed", name=self.target.name, url=self.target.url,
                              error=result.error, next=None if final else "retried next cycle")
@@ -325,16 +478,25 @@ class _Run:
                                       if not final else retry)
         self.calls = Calls(options, sync.log, stop)
         self.pending: Set[str] = set()
-        self.held: Set[str] = set()  # not uploaded this cycle: not stable yet, changed while read, or failed
+        self.held: Set[str] = set()  # not uploaded this cycle: not whole yet, changed while read, or failed
         self.unreadable: Set[str] = set()  # skipped, not missing; but no marker goes up beside one
+        self.refused: Set[str] = set()  # set aside: the store refused them
+        self.why: Dict[str, str] = {}  # why a file was held, when a reader should know
+        self.units: Dict[str, str] = {}  # marker -> the folder it completes
         self.lock = threading.Lock()
 
     def all(self, ready: List[str]) -> None:
         markers = sorted((r for r in ready if self.sync.is_marker(r)), key=lambda r: -r.count("/"))
         plain = [r for r in ready if not self.sync.is_marker(r)]
+        self.pending.update(ready)
+        if plain and not self.sync.withdraw_markers(plain, self):
+            with self.lock:
+                self.held.update(self.pending)
+                self.pending.clear()
+            return
         small = sorted((r for r in plain if self.entries[r].size < SMALL_LIMIT), key=lambda r: self.entries[r].size)
         large = [r for r in plain if self.entries[r].size >= SMALL_LIMIT]
-        self.pending.update(ready)
+        self.units = {marker: self.sync.unit_of(marker) for marker in markers}
         workers = min(self.sync.options.workers, max(1, len(small)))
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sync")
         try:
@@ -349,15 +511,15 @@ class _Run:
     def _markers(self, pool, markers: List[str]) -> List[str]:
         """Uploads each marker whose unit is complete, deepest first; returns those still held back.
 
-        The unit is every file under the marker's folder. Safety over liveness: a file still being written
-        there holds the marker back, even one that is not part of the checkpoint (a metrics file appended
-        beside `latest_checkpointed_iteration.txt` holds it until the final sync; the README says so)."""
+        The unit is every file under the folder the marker completes. Safety over liveness: a file still being
+        written there holds the marker back, even one that is not part of the checkpoint (a metrics file
+        appended beside a `*.done` holds it until the final sync; the README says so)."""
         waiting = []
         for marker in markers:
-            folder = marker.rpartition("/")[0]
+            unit = self.units[marker]
             with self.lock:
-                blocked = any(r != marker and (not folder or r.startswith(folder + "/"))
-                              for r in (*self.pending, *self.held, *self.unreadable))
+                blocked = any(r != marker and under(r, unit)
+                              for r in (*self.pending, *self.held, *self.unreadable, *self.refused))
             if blocked:
                 waiting.append(marker)
             else:
@@ -394,13 +556,32 @@ class _Run:
                 self.unreadable.add(relative)
             return
         except StorageError as exc:
-            self.fail(relative, exc)
+            if exc.refusal:
+                self._refuse(relative, entry, exc)
+            else:
+                self.fail(relative, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a local failure (a full disk) must not vanish inside the pool
+            self.sync.warn_once("sync failed for a file", relative, error=f"{type(exc).__name__}: {exc}")
+            self._hold(relative)
             return
         with self.lock:
             self.pending.discard(relative)
+            if relative in self.units:
+                self.sync.published[relative] = self.units[relative]
             if sent is not None:  # a file only touched (same bytes) is recorded, not counted as uploaded
                 self.result.files += 1
                 self.result.bytes += sent
+
+    def _refuse(self, relative: str, entry: Entry, exc: StorageError) -> None:
+        """The store will not take this object: set it aside until it changes, and go on with the others."""
+        self.sync.refused[relative] = entry.identity
+        self.sync.warn_once("the store refused a file: set aside until it changes", relative,
+                            error=str(naming_the_store(exc, self.sync.store, self.sync.location)))
+        with self.lock:
+            self.pending.discard(relative)
+            self.refused.add(relative)
+            self.why[relative] = REFUSED
 
     def _hold(self, relative: str, missing: bool = True) -> None:
         with self.lock:

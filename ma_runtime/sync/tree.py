@@ -3,9 +3,13 @@
 A file's identity is (size, mtime_ns, inode): a rewrite in place changes the first two, a write-then-rename
 the last. Only regular files are taken. What cannot be synced is skipped, and said once per run (`Skipped`
 remembers): a FIFO, socket or device (reading one would block or never end), a name that is not UTF-8 (no
-object key can hold it), a symbolic link to outside the folder (it would upload what the job does not own)
-or to a folder (a loop waiting to happen). A link to a regular file inside the folder is taken with its
-target's content, as the file a reader of the folder sees.
+object key can hold it), a symbolic link to a folder (a loop waiting to happen), and content that lives outside
+the folder. One rule for links of both kinds: a file is synced only when every name it has is inside the folder.
+A symbolic link to outside is refused, and so is a hard link whose other names are not all in the folder (its
+link count is higher than the names the walk found): either would upload what the job put there by reference,
+not what it wrote (a root-only file hard-linked in by a root job that drops to a user, /etc/shadow linked in
+by an image's script). A link of either kind to a regular file inside the folder is taken with that file's
+content, as the file a reader of the folder sees.
 
 The walk is one `scandir` per folder and one `lstat` per entry, and an unchanged file is compared with its
 record inside the walk: 10 000 unchanged files cost a cycle about 40 ms of CPU, 1.1x a bare os.walk + lstat
@@ -14,7 +18,7 @@ record inside the walk: 10 000 unchanged files cost a cycle about 40 ms of CPU, 
 
 import os
 import stat
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Set
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from ma_runtime.files import kind_of
 
@@ -52,6 +56,9 @@ def scan(root: str, skipped: Skipped, known: Optional[Mapping[str, Any]] = None,
     unchanged file everything but its lstat: the no-change cycle is then 1.1x the bare walk, not 1.3x."""
     found: Dict[str, Entry] = {}
     known = known if known is not None else {}
+    # Files with more than one hard link: their names found here, to compare with their link count at the end.
+    names: Dict[Tuple[int, int], List[str]] = {}
+    link_counts: Dict[Tuple[int, int], int] = {}
     real_root = os.path.realpath(root)
     folders = [("", root)]
     while folders:
@@ -78,6 +85,9 @@ def scan(root: str, skipped: Skipped, known: Optional[Mapping[str, Any]] = None,
             if stat.S_ISDIR(stats.st_mode):
                 folders.append((relative + "/", entry.path))
             elif stat.S_ISREG(stats.st_mode):
+                if stats.st_nlink > 1:
+                    names.setdefault((stats.st_dev, stats.st_ino), []).append(relative)
+                    link_counts[(stats.st_dev, stats.st_ino)] = stats.st_nlink
                 record = known.get(relative)
                 if record is not None and record.identity == (stats.st_size, stats.st_mtime_ns, stats.st_ino):
                     if present is not None:
@@ -96,6 +106,13 @@ def scan(root: str, skipped: Skipped, known: Optional[Mapping[str, Any]] = None,
                 found[relative] = linked
             else:
                 skipped(entry.path, f"it is {kind_of(stats.st_mode)}, not a regular file")
+    for inode, relatives in names.items():
+        if len(relatives) < link_counts[inode]:  # a name outside the folder
+            for relative in relatives:
+                skipped(os.path.join(root, relative), "a hard link to a file outside the folder is not followed")
+                found.pop(relative, None)
+                if present is not None:
+                    present.add(relative)  # still there locally: never deleted from the store for this
     return found
 
 
