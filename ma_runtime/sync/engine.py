@@ -208,6 +208,7 @@ class ChannelSync:
         run.held.update(set(entries) - set(ready))
         run.refused.update(set_aside)
         run.why.update({relative: AT_THE_STOP for relative in at_stop})
+        run.why.update({relative: REFUSED for relative in set_aside})
         ready = [relative for relative in ready if relative not in set_aside]
         if ready:
             run.all(ready)
@@ -298,9 +299,11 @@ class ChannelSync:
 
     # ------------------------------------------------------------------ markers in the store
 
-    def withdraw_markers(self, relatives: List[str], run: "_Run") -> bool:
+    def withdraw_markers(self, relatives: List[str], run: "_Run") -> Optional[List[str]]:
         """Deletes from the store each marker we published whose unit holds one of `relatives` (about to go up),
-        before they do; False when the store failed (the cycle ends: nothing of those units goes up)."""
+        before they do; returns those withdrawn, or None when the store failed (the cycle ends: nothing of those
+        units goes up)."""
+        withdrawn = []
         for marker in [m for m in self.manifest.relatives() if self.is_marker(m)]:
             unit = self.published.get(marker)
             if unit is None:
@@ -312,12 +315,22 @@ class ChannelSync:
                 run.calls(self.store.delete, self.location.bucket, self.key_of(marker))
             except StorageError as exc:
                 run.fail(marker, exc)
-                return False
+                return None
             with self.lock:
                 self.manifest.drop(marker)
                 self.published.pop(marker, None)
+            withdrawn.append(marker)
             self.log.info("marker withdrawn while its checkpoint changes", name=self.target.name, path=marker)
-        return True
+        return withdrawn
+
+    def entry_of(self, relative: str) -> Optional[Entry]:
+        """The file's entry now, as a scan would give it (a marker withdrawn after the scan); None if gone."""
+        path = os.path.join(self.target.root, relative)
+        try:
+            stats = os.stat(path)
+        except OSError:
+            return None
+        return Entry(stats.st_size, stats.st_mtime_ns, stats.st_ino, path) if stat.S_ISREG(stats.st_mode) else None
 
     # ------------------------------------------------------------------ one file
 
@@ -489,11 +502,19 @@ class _Run:
         markers = sorted((r for r in ready if self.sync.is_marker(r)), key=lambda r: -r.count("/"))
         plain = [r for r in ready if not self.sync.is_marker(r)]
         self.pending.update(ready)
-        if plain and not self.sync.withdraw_markers(plain, self):
+        withdrawn = self.sync.withdraw_markers(plain, self) if plain else []
+        if withdrawn is None:
             with self.lock:
                 self.held.update(self.pending)
                 self.pending.clear()
             return
+        for marker in withdrawn:  # unchanged locally: published again, once its unit is whole, this cycle
+            entry = self.entries.get(marker) or self.sync.entry_of(marker)
+            if entry is not None and marker not in markers:
+                self.entries[marker] = entry
+                markers.append(marker)
+                self.pending.add(marker)
+        markers.sort(key=lambda r: -r.count("/"))
         small = sorted((r for r in plain if self.entries[r].size < SMALL_LIMIT), key=lambda r: self.entries[r].size)
         large = [r for r in plain if self.entries[r].size >= SMALL_LIMIT]
         self.units = {marker: self.sync.unit_of(marker) for marker in markers}
