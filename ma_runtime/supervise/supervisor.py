@@ -77,6 +77,10 @@ class Outcome:
     # When the stop was requested (time.monotonic()), for what must still happen within the platform's grace.
     stop_requested_at: Optional[float] = None
     hang: Any = None  # a hang.Hang: the monitor found the attempt stuck and the supervisor stopped it
+    # When the workers were asked to stop (time.time(): file times are compared with it), by a signal, a hang or
+    # another worker's failure; None when they all ended by themselves. The final sync keeps a file written
+    # since from replacing the store's whole version.
+    workers_stopped_at: Optional[float] = None
 
     @property
     def state(self) -> State:
@@ -100,6 +104,11 @@ class _Stop:
     forced: bool = False
     killed_at: Optional[float] = None
     exits: List[Worker] = dataclasses.field(default_factory=list)  # in the order they exited
+    began_at: Optional[float] = None  # time.time() when the workers were first asked to stop
+
+    def begin(self) -> None:
+        if self.began_at is None:
+            self.began_at = time.time()
 
     @property
     def under_way(self) -> bool:
@@ -188,6 +197,7 @@ class Supervisor:
             else:
                 self.log.info("stop already under way", signal=SIGNAL_NAMES.get(signum, signum))
             return
+        stop.begin()
         self._stop_all(signum)
         self.log.info("forwarded signal", signal=SIGNAL_NAMES.get(signum, signum), **self._pids())
         stop.signal, stop.deadline = signum, time.monotonic() + self.grace_seconds
@@ -210,6 +220,7 @@ class Supervisor:
             exit_code=exit_code_of_status(worker.returncode),
             others=len(others),
         )
+        stop.begin()
         self._stop_all(signal.SIGTERM)
         stop.deadline = time.monotonic() + self.grace_seconds
 
@@ -225,6 +236,7 @@ class Supervisor:
                                      for worker in self._live()})
         stop.hang = hang
         self.log.warning("stopping the hung attempt", grace_seconds=self.grace_seconds)
+        stop.begin()
         self._stop_all(signal.SIGTERM)
         stop.deadline = time.monotonic() + self.grace_seconds
 
@@ -269,6 +281,7 @@ class Supervisor:
             workers_stopped=stop.stopped,
             stop_requested_at=stop.requested_at,
             hang=stop.hang,
+            workers_stopped_at=stop.began_at,
         )
 
     def _pids(self, workers: Optional[Sequence[Worker]] = None) -> dict:
