@@ -1,0 +1,243 @@
+"""Checkpoints reach OBS whole, or the job says so (issue 23), end to end: ma-run, the real OBS SDK, moto behind
+the fault proxy of tests/e2e/test_sync.py, real signals and a real full disk. The mechanisms one by one are in
+tests/unit/test_sync_whole.py.
+"""
+
+import hashlib
+import sys
+import time
+
+import pytest
+
+from tests.e2e.test_sync import (
+    CountingProxy,
+    Run,
+    control,
+    counting_proxy,
+    events,
+    job_file,
+    listing,
+    read_object,
+    reaping,
+    sync_env,
+    termination,
+    wait_until_gone,
+)
+
+MiB = 1 << 20
+KEY_TOO_LONG = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>KeyTooLongError</Code><Message>Your key is "
+                b"too long</Message><RequestId>proxy</RequestId></Error>")
+
+
+@pytest.fixture(autouse=True)
+def _reap(job_env):
+    with reaping(job_env):
+        yield
+
+
+class RefusingProxy(CountingProxy):
+    """Answers 400 KeyTooLongError to every PUT whose path holds `refused` (as OBS does for a key over 1024
+    bytes); forwards the rest."""
+
+    refused = "bad-name"
+
+    def _take_fault(self, method, path):
+        fault = super()._take_fault(method, path)
+        return "refuse" if method == "PUT" and self.refused in path else fault
+
+    def _forward(self, client, head, body, fault):
+        if fault != "refuse":
+            return super()._forward(client, head, body, fault)
+        client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
+                       b"Connection: close\r\n\r\n%s" % (len(KEY_TOO_LONG), KEY_TOO_LONG))
+        return False
+
+
+def run_until_exit(args, env, tmp_path, timeout=90):
+    run = Run(args, env, tmp_path)
+    return run.wait(timeout), run
+
+
+# --------------------------------------------------------------------------- 4: one refused name
+
+
+WRITES_A_REFUSED_NAME = """
+import os
+out = os.environ["out"]
+os.makedirs(os.path.join(out, "ckpt"))
+open(os.path.join(out, "bad-name.bin"), "wb").write(b"x")
+open(os.path.join(out, "ckpt", "model.pt"), "wb").write(os.urandom(5 << 20))
+open(os.path.join(out, "ckpt", "x.done"), "w").write("done")
+"""
+
+
+def test_a_name_the_store_refuses_does_not_keep_the_checkpoint_out(obs_endpoint, job_env, tmp_path):
+    from urllib.parse import urlsplit
+
+    bucket = obs_endpoint.new_bucket()
+    parts = urlsplit(obs_endpoint.url)
+    proxy = RefusingProxy((parts.hostname, parts.port))
+    try:
+        env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url)
+        job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
+
+        code, run = run_until_exit(["--config", job, sys.executable, "-c", WRITES_A_REFUSED_NAME], env, tmp_path)
+    finally:
+        proxy.close()
+
+    assert code == 80, run.stderr[-3000:]  # one file is not in the store: the job does not say success
+    found = listing(obs_endpoint.s3, bucket, "run/")
+    assert {"ckpt/model.pt", "ckpt/x.done"} <= set(found), sorted(found)
+    assert len(events(run.stderr, "the store refused a file: set aside until it changes")) == 1
+    assert termination(env)["unsynced"] == ["out: bad-name.bin (refused by the store)"]
+    wait_until_gone(env)
+
+
+# --------------------------------------------------------------------------- 5: a reused marker name
+
+
+REUSES_ITS_MARKER = """
+import os, sys, time
+ckpt = os.path.join(os.environ["out"], "ckpt")
+control = os.environ["SYNC_CONTROL"]
+os.makedirs(ckpt)
+def shard(index, step, slow=False):
+    with open(os.path.join(ckpt, f"shard{index}"), "wb") as f:
+        for piece in range(4 if slow else 1):
+            f.write(f"step{step} ".encode() + os.urandom(100_000))
+            f.flush()
+            time.sleep(0.5 if slow else 0)
+def marker(step):
+    with open(os.path.join(ckpt, "ckpt.done"), "w") as f:
+        f.write(str(step))
+shard(0, 1); shard(1, 1); marker(1)
+while not os.path.exists(os.path.join(control, "step1-seen")):
+    time.sleep(0.05)
+os.unlink(os.path.join(ckpt, "ckpt.done"))
+shard(0, 2)
+time.sleep(2)
+shard(1, 2, slow=True)
+marker(2)
+time.sleep(2)
+"""
+
+
+def test_a_reader_that_waits_for_a_reused_marker_never_sees_half_a_checkpoint(obs_endpoint, job_env, tmp_path):
+    bucket = obs_endpoint.new_bucket()
+    env = sync_env(job_env, tmp_path, obs_endpoint)
+    job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
+    run = Run(["--config", job, sys.executable, "-c", REUSES_ITS_MARKER], env, tmp_path)
+    judged = []
+    deadline = time.monotonic() + 60
+    while run.running():
+        assert time.monotonic() < deadline, run.stderr[-3000:]
+        seen = judge_marker(obs_endpoint.s3, bucket)
+        if seen is not None:
+            judged.append(seen)
+            if seen == 1:
+                control(env, "step1-seen").touch()
+        time.sleep(0.02)
+
+    assert run.wait() == 0, run.stderr[-3000:]
+    assert judged.count(1) and judged.count(2), judged  # the reader saw both steps, each whole
+    assert events(run.stderr, "marker withdrawn while its checkpoint changes")
+    wait_until_gone(env)
+
+
+def judge_marker(s3, bucket):
+    """The step the marker names, after checking that every shard in the bucket is of that step; None when
+    there is no marker (or it changed while read: nothing to judge)."""
+    before = listing(s3, bucket, "run/ckpt/").get("ckpt.done")
+    if before is None:
+        return None
+    step = read_object(s3, bucket, "run/ckpt/ckpt.done")
+    shards = [read_object(s3, bucket, f"run/ckpt/shard{index}") for index in (0, 1)]
+    after = listing(s3, bucket, "run/ckpt/").get("ckpt.done")
+    if step is None or after is None or after["ETag"] != before["ETag"]:
+        return None
+    for index, shard in enumerate(shards):
+        assert shard is not None and shard.startswith(b"step" + step + b" "), \
+            f"the marker says step {step!r} but shard{index} is {shard[:6] if shard else None!r}"
+    return int(step)
+
+
+# --------------------------------------------------------------------------- 3: SIGTERM during a rewrite
+
+
+REWRITES_IN_PLACE = """
+import os, time
+path = os.path.join(os.environ["out"], "model.pt")
+with open(path, "wb") as f:
+    f.write(os.urandom(1 << 20))
+os.write(1, b"saved\\n")
+while not os.path.exists(os.path.join(os.environ["SYNC_CONTROL"], "uploaded")):
+    time.sleep(0.05)
+with open(path, "r+b") as f:  # the next save, in place and slowly
+    for _ in range(300):
+        f.write(os.urandom(1900))
+        f.flush()
+        time.sleep(0.05)
+"""
+
+
+def test_sigterm_during_an_in_place_rewrite_keeps_the_good_checkpoint_in_the_store(obs_endpoint, job_env, tmp_path):
+    import signal
+
+    bucket = obs_endpoint.new_bucket()
+    env = sync_env(job_env, tmp_path, obs_endpoint)
+    job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
+    run = Run(["--config", job, sys.executable, "-c", REWRITES_IN_PLACE], env, tmp_path)
+    deadline = time.monotonic() + 30
+    good = None
+    while good is None or len(good) != MiB:
+        assert run.running() and time.monotonic() < deadline, run.stderr[-3000:]
+        good = read_object(obs_endpoint.s3, bucket, "run/model.pt")
+        time.sleep(0.05)
+    control(env, "uploaded").touch()
+    time.sleep(1.5)  # the rewrite is under way
+
+    run.proc.send_signal(signal.SIGTERM)
+
+    assert run.wait() == 143, run.stderr[-3000:]
+    stored = read_object(obs_endpoint.s3, bucket, "run/model.pt")
+    assert hashlib.sha256(stored).digest() == hashlib.sha256(good).digest(), "the good checkpoint was replaced"
+    message = termination(env)
+    assert message["exit_code"] == 143
+    assert message["unsynced"] == ["out: model.pt (being written at the stop)"]
+    wait_until_gone(env)
+
+
+# --------------------------------------------------------------------------- 2: a full state folder
+
+
+FILLS_THE_DISK = """
+import os
+home = os.environ["MA_HOME"]
+open(os.path.join(os.environ["out"], "model.pt"), "wb").write(os.urandom(5 << 20))
+try:
+    with open(os.path.join(home, "filler"), "wb") as filler:
+        while True:
+            filler.write(b"\\0" * 65536)
+            filler.flush()
+except OSError:
+    pass
+os.write(1, b"disk full\\n")
+"""
+
+
+def test_a_full_state_folder_still_syncs_a_large_checkpoint_and_says_why_records_are_missing(
+        obs_endpoint, job_env, tmp_path, tmpfs):
+    home = tmpfs("home", "8m")
+    bucket = obs_endpoint.new_bucket()
+    env = sync_env({**job_env, "MA_HOME": str(home)}, tmp_path, obs_endpoint,
+                   MA_RUNTIME_SYNC_INTERVAL_SECONDS=3600)  # only the final sync: the disk is full by then
+    job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
+
+    code, run = run_until_exit(["--config", job, sys.executable, "-c", FILLS_THE_DISK], env, tmp_path)
+
+    assert "disk full" in run.stdout
+    assert code == 0, run.stderr[-3000:]
+    stored = read_object(obs_endpoint.s3, bucket, "run/model.pt")
+    assert stored == (home / "modelarts" / "outputs" / "out_0" / "model.pt").read_bytes()
+    said = [line for line in run.stderr.splitlines() if "cannot be written: kept in memory" in line]
+    assert said and all("No space left on device" in line for line in said), run.stderr[-3000:]
