@@ -13,7 +13,6 @@ from tests.e2e.test_sync import (
     CountingProxy,
     Run,
     control,
-    counting_proxy,
     events,
     job_file,
     listing,
