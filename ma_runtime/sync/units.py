@@ -17,19 +17,30 @@ What each framework writes last (see the README's table):
   after every rank's `iter_NNNNNNN/mp_rank_XX/...` (a barrier before it);
 - DeepSpeed: `latest` at the save root (rank 0, after every rank's `global_stepN/` files);
 - torch.distributed.checkpoint (Megatron's torch_dist format too): `.metadata`, written last by the coordinator;
+- MindFormers' per-iteration format: `latest_checkpointed_iteration.txt` (rank 0, after a barrier) beside
+  `iteration_NNNNNNNN/`; its legacy format and MindSpore's ModelCheckpoint write single files, renamed from `.tmp`;
+- PyTorch Lightning: a `.ckpt` file (complete by its rename); its sharded saves, a `.ckpt` folder completed by
+  `meta.pt` (FSDP) or `latest` (DeepSpeed);
 - anything else: `*.done`, written by the job itself after its files.
+
+A save cut short leaves a folder the markers describe without its marker (incomplete_unit_folders): the
+pre-download leaves it in the store and a resume never starts from it.
 """
 
 import fnmatch
 import os
 import re
-from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 DEFAULT_MARKERS: Tuple[str, ...] = (
     "checkpoint-*/trainer_state.json",
     "latest_checkpointed_iteration.txt",
     "latest",
     ".metadata",
+    # Lightning's sharded saves, a `.ckpt` folder: the FSDP strategy's rank 0 writes meta.pt after the
+    # torch.distributed.checkpoint files, the DeepSpeed strategy's `latest` names its tag `checkpoint`.
+    "*.ckpt/meta.pt",
+    "*.ckpt/latest",
     "*.done",
 )
 # Markers whose content names the folder they complete, and how.
@@ -40,14 +51,20 @@ POINTERS = {
 # Writers' temporary files: complete under another name a moment later, torn if the writer dies. Matched against
 # the file's name and the name of every folder above it.
 DEFAULT_EXCLUDES: Tuple[str, ...] = (
-    ".tmp*",  # tempfile's NamedTemporaryFile(dir=...) names: .tmpQeIoOo (safetensors/torch writers)
-    "*.tmp",
+    ".tmp*",  # Rust's tempfile crate: .tmpQeIoOo (safetensors' save_file writes there, then renames)
+    "*.tmp",  # MindSpore's save_checkpoint: net-1_32.tmp renamed net-1_32.ckpt; torch.distributed's .metadata.tmp
     "*.partial",
     "tmp-checkpoint-*",  # transformers 4.36-4.38 staged checkpoint-N/ under this name, then renamed it
     "*.ma-partial",  # our own downloads' partial files
 )
 POINTER_LIMIT = 4096  # bytes of a pointer marker read: a number or a tag, never more
 _ITERATION = re.compile(r"\s*(\d+)\s*\Z")
+# The names of the folders a pointer marker completes, with their number: Megatron's `iter_{:07d}`,
+# DeepSpeed's default tag `global_step{N}` (a tag of the job's own choosing is not recognised, so never judged).
+POINTED_NAMES = {
+    "megatron": re.compile(r"iter(?:ation)?_(\d{7,})\Z"),  # MindFormers' own: iteration_{:08d}
+    "deepspeed": re.compile(r"global_step(\d+)\Z"),
+}
 
 
 def matches(relative: str, pattern: str) -> bool:
@@ -103,8 +120,9 @@ def pointed_folder(kind: str, content: Optional[bytes]) -> Optional[str]:
     """The folder name a pointer marker's content names, or None."""
     if not content:
         return None
-    text = content[:POINTER_LIMIT].decode("utf-8", "replace").strip()
-    if not text or "/" in text or text in (".", "..") or "\n" in text:
+    lines = content[:POINTER_LIMIT].decode("utf-8", "replace").strip().splitlines()
+    text = lines[0].strip() if lines else ""  # the first line: a job may list the unit's files after it
+    if not text or "/" in text or text in (".", ".."):
         return None
     if kind == "megatron":
         number = _ITERATION.match(text)
@@ -143,3 +161,67 @@ def complete_units(root: str, units: Units, relatives: Iterable[str]) -> List[Un
             continue
         found.append(Unit(units.unit_of(relative, read, exists), relative, mtime_ns))
     return sorted(found, key=lambda unit: (unit.mtime_ns, unit.folder))
+
+
+def incomplete_unit_folders(relatives: Iterable[str], units: Units,
+                            read: Callable[[str], Optional[bytes]]) -> Dict[str, str]:
+    """The folders among those of `relatives` (the files of a listing, relative paths) that are checkpoints no
+    marker completes (a save cut short), each with what is missing; `read(relative)`: a pointer marker's bytes
+    (None when unreadable).
+
+    Only a folder the markers describe is judged:
+    - one matching a marker pattern's folder part (`checkpoint-*` of `checkpoint-*/trainer_state.json`) is complete
+      when a file right in it matches the whole pattern;
+    - one named as a pointer marker's kind names its folders (`iter_0000020`, `global_step20`) is complete when a
+      pointer of that kind beside it names it or a later one: the pointer moves only after a whole save, and a
+      folder numbered past it was being written. A pointer whose content cannot be compared (a tag, unreadable)
+      leaves the folders beside it alone.
+    A writer's scratch folder is not judged: everything under it is excluded anyway."""
+    by_folder: Dict[str, List[str]] = {}
+    for relative in relatives:
+        if not units.excluded(relative):
+            by_folder.setdefault(folder_of(relative), []).append(relative)
+    folders = {parent for folder in by_folder for parent in [folder, *_ancestors(folder)] if parent}
+    kinds = sorted({kind for name, kind in POINTERS.items() if units.is_marker(name)})
+    incomplete: Dict[str, str] = {}
+    for folder in sorted(folders):
+        missing = _missing_marker(folder, by_folder.get(folder, ()), units) or _not_pointed_at(
+            folder, by_folder.get(folder_of(folder), ()), kinds, units, read)
+        if missing:
+            incomplete[folder] = missing
+    return incomplete
+
+
+def _ancestors(folder: str) -> List[str]:
+    parts = folder.split("/")
+    return ["/".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def _missing_marker(folder: str, inside: Sequence[str], units: Units) -> Optional[str]:
+    """What a folder that a marker pattern's folder part describes lacks (`inside`: the files right in it), or
+    None: complete, or not such a folder."""
+    wanted = [pattern for pattern in units.markers
+              if "/" in pattern.strip("/") and matches(folder, pattern.strip("/").rpartition("/")[0])]
+    if not wanted or any(matches(relative, pattern) for relative in inside for pattern in wanted):
+        return None
+    return "no " + " or ".join(pattern.strip("/").rpartition("/")[2] for pattern in wanted)
+
+
+def _not_pointed_at(folder: str, beside: Sequence[str], kinds: Iterable[str], units: Units,
+                    read: Callable[[str], Optional[bytes]]) -> Optional[str]:
+    """Why no pointer among `beside` (the files beside a folder named as pointers of `kinds` name theirs) vouches
+    for it, or None."""
+    name = folder.rpartition("/")[2]
+    for kind in kinds:
+        pattern = POINTED_NAMES[kind]
+        number = pattern.match(name)
+        if number is None:
+            continue
+        pointers = [relative for relative in beside if units.pointer_kind(relative) == kind]
+        if not pointers:
+            return "no " + " or ".join(marker for marker, of in POINTERS.items() if of == kind) + " beside it"
+        named = [pointed_folder(kind, read(pointer)) for pointer in pointers]
+        numbers = [pattern.match(found or "") for found in named]
+        if all(found is not None and int(found.group(1)) < int(number.group(1)) for found in numbers):
+            return f"{pointers[0]} names {named[0]}, an earlier save"
+    return None
