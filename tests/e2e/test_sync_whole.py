@@ -240,3 +240,64 @@ def test_a_full_state_folder_still_syncs_a_large_checkpoint_and_says_why_records
     assert stored == (home / "modelarts" / "outputs" / "out_0" / "model.pt").read_bytes()
     said = [line for line in run.stderr.splitlines() if "cannot be written: kept in memory" in line]
     assert said and all("No space left on device" in line for line in said), run.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- 7: Lightning's last.ckpt
+
+
+LIGHTNING_TRAINER = """
+import os, time, torch
+import lightning as L
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+    def training_step(self, batch, _index):
+        time.sleep(0.1)  # a step that takes a while: a save every 0.1 s, far faster than the sync's cycle
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+checkpoints = ModelCheckpoint(dirpath=os.environ["out"], save_last=True, every_n_train_steps=1, save_top_k=1)
+trainer = L.Trainer(max_steps=int(os.environ["STEPS"]), accelerator="cpu", logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[checkpoints],
+                    plugins=[LightningEnvironment()])  # no cluster detection: it would load mpi4py
+trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=1))
+print("trained", flush=True)
+"""
+
+
+def test_lightnings_last_checkpoint_saved_faster_than_the_cycle_reaches_the_store_while_it_trains(
+        obs_endpoint, job_env, tmp_path):
+    pytest.importorskip("lightning", reason="PyTorch Lightning is installed by scripts/test.sh")
+    import io
+
+    import torch
+
+    bucket = obs_endpoint.new_bucket()
+    env = sync_env(job_env, tmp_path, obs_endpoint, MA_RUNTIME_SYNC_INTERVAL_SECONDS=1, STEPS=40)
+    job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
+    run = Run(["--config", job, sys.executable, "-c", LIGHTNING_TRAINER], env, tmp_path)
+    steps_seen, etags = set(), set()
+    deadline = time.monotonic() + 120
+    while run.running():
+        assert time.monotonic() < deadline, run.stderr[-3000:]
+        found = listing(obs_endpoint.s3, bucket, "run/").get("last.ckpt")
+        if found is not None and found["ETag"] not in etags and "trained" not in run.stdout:
+            data = read_object(obs_endpoint.s3, bucket, "run/last.ckpt")
+            if data is not None:
+                etags.add(found["ETag"])
+                steps_seen.add(torch.load(io.BytesIO(data), weights_only=False)["global_step"])  # whole
+        time.sleep(0.1)
+
+    assert run.wait() == 0, run.stderr[-3000:]
+    assert len(steps_seen) >= 2, f"versions of last.ckpt seen while training: {sorted(steps_seen)}"
+    final = torch.load(io.BytesIO(read_object(obs_endpoint.s3, bucket, "run/last.ckpt")), weights_only=False)
+    assert final["global_step"] == 40
+    assert not [key for key in listing(obs_endpoint.s3, bucket, "run/") if ".tmp" in key]
+    wait_until_gone(env)
