@@ -5,28 +5,48 @@ thread here, and the supervisor's stops and sweeps never count it as part of the
 environment as the runtime (credentials reach it the way they reach the SDK: never on a command line), and
 its own session, so a terminal's Ctrl-C does not reach it.
 
+Isolated from the job's Python: it runs `python -I` (no PYTHONPATH, no user site-packages, no current folder:
+a job's `sitecustomize.py` or `yaml.py` never loads in it), and is given the folder that holds the runtime's
+own `ma_runtime` explicitly (a source checkout or an editable install is importable as a wheel is). It talks to
+the runtime over a socket pair of its own (its fd number on its command line): stdout and stderr stay the
+runtime's, for log lines, so nothing the job's environment prints can garble an answer.
+
 Its death while the command runs is the platform's event ("output and log upload process exited; files will
 no longer be synced"); it is started again once. The final sync always runs: in a fresh process when
-there is none, because the outputs are lost otherwise.
+there is none, because the outputs are lost otherwise, and again in a fresh one (FINAL_RESTARTS times at most,
+while its deadline allows) when the uploader dies before it answered: the multipart uploads it had under way
+are resumed from their records.
 """
 
 import dataclasses
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import List, Mapping, Optional, Tuple
 
+import ma_runtime
 from ma_runtime import children
 
 DIED_EVENT = "output and log upload process exited; files will no longer be synced"
 RESTARTS = 1
+# Fresh uploaders for one final sync whose uploader died before it answered: enough for an OOM kill or two, few
+# enough that a process that dies at every start cannot spin until the deadline.
+FINAL_RESTARTS = 3
 # After the deadline: how long the answer may still take (the uploader stops its waits at the deadline).
 ANSWER_GRACE_SECONDS = 2.0
 EXIT_WAIT_SECONDS = 2.0
+_EXITED = "exited before it answered"  # its channel ended before an answer: it died (a fresh one may be started)
+# Run by `python -I -c`: argv is [-c, <the folder holding ma_runtime>, --channel, <fd>]. That folder goes first
+# unless the isolated path has it already (a wheel's site-packages must not move ahead of the standard library).
+_BOOT = ("import os, sys; home = sys.argv.pop(1); "
+         "sys.path[:0] = [] if os.path.realpath(home) in map(os.path.realpath, sys.path) else [home]; "
+         "from ma_runtime.sync.uploader import main; main(sys.argv[1:])")
+_HOME = os.path.dirname(os.path.dirname(os.path.abspath(ma_runtime.__file__)))
 
 
 @dataclasses.dataclass
@@ -35,7 +55,7 @@ class FinalResult:
     bytes: int = 0
     missing: List[str] = dataclasses.field(default_factory=list)
     error: Optional[str] = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # how long the final sync took, as the runtime saw it (fresh uploaders included)
     answered: bool = True  # False: the uploader did not answer in time; `missing` is then unknown
 
     @property
@@ -48,6 +68,7 @@ class Uploader:
         self.config = json.dumps({"flags": dict(flags), "config_file": config_file}) + "\n"
         self.log = log
         self.proc: Optional[subprocess.Popen] = None
+        self.channel: Optional[socket.socket] = None  # the runtime's end of self.proc's socket pair
         self.restarts_left = RESTARTS
         self.ending = False  # the final sync or the exit is under way: a death is no longer an event
         self.lock = threading.Lock()
@@ -63,17 +84,23 @@ class Uploader:
                                  error=str(exc))
 
     def _spawn(self) -> None:
-        # Isolated as the runtime is when the image's entrypoint runs it with -I: the job's PYTHONPATH must not
-        # reach the runtime's own packages.
-        isolated = ["-I"] if sys.flags.isolated else []
-        proc = children.start_helper(lambda: subprocess.Popen(
-            [sys.executable, *isolated, "-m", "ma_runtime.sync.uploader"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, close_fds=True, start_new_session=True))
-        self.proc = proc
+        """Under self.lock. A new process, its channel, its watcher; the previous channel, if any, closed."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # neither inheritable (PEP 446)
+        try:
+            proc = children.start_helper(lambda: subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOT, _HOME, "--channel", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the child's copy only: its death is then the end of our end's stream
+        if self.channel is not None:
+            self.channel.close()
+        self.proc, self.channel = proc, ours
         threading.Thread(target=self._watch, args=(proc,), name="uploader-watch", daemon=True).start()
         try:
-            proc.stdin.write(self.config.encode())
-            proc.stdin.flush()
+            ours.sendall(self.config.encode(), socket.MSG_NOSIGNAL)
         except OSError:
             pass  # it died at once: the watcher reports it
 
@@ -95,59 +122,92 @@ class Uploader:
                 self.log.info("upload process restarted", pid=self.proc.pid)
 
     def final(self, deadline: float, scope: str = "all") -> FinalResult:
-        """The final sync (`deadline`: time.monotonic()); in a fresh process when none is running."""
+        """The final sync (`deadline`: time.monotonic()); in a fresh process when none is running, and in a fresh
+        one again when the uploader dies before it answered (FINAL_RESTARTS at most, before the deadline)."""
+        started = time.monotonic()
         with self.lock:
             self.ending = True
+        restarts = 0
+        while True:
+            result, died = self._ask(deadline, scope, restart=restarts > 0)
+            if died is None or restarts >= FINAL_RESTARTS or time.monotonic() >= deadline:
+                break
+            self.log.warning("upload process exited during the final sync; starting a fresh one",
+                             exit_code=_exit_code(died), pid=died.pid)
+            with self.lock:
+                self.proc = None
+            restarts += 1
+        result.seconds = round(time.monotonic() - started, 3)
+        return result
+
+    def _ask(self, deadline: float, scope: str, restart: bool) -> Tuple[FinalResult, Optional[subprocess.Popen]]:
+        """(the answer, None), or (why none came, the process) when it died before it answered. `restart`: the
+        previous one died during this final sync."""
+        with self.lock:
+            fresh = self.proc is None or self.proc.poll() is not None
             try:
-                if self.proc is None or self.proc.poll() is not None:
+                if fresh:
                     self._spawn()
             except OSError as exc:
-                return FinalResult(answered=False, error=f"the upload process could not be started: {exc}")
-            proc = self.proc
+                return FinalResult(answered=False, error=f"the upload process could not be started: {exc}"), None
+            proc, channel = self.proc, self.channel
+        if fresh and restart:
+            self.log.info("upload process restarted", pid=proc.pid, during="final sync")
         # CLOCK_MONOTONIC is one clock for every process of the machine: the uploader keeps the same deadline,
         # however long it took to read the command.
         command = {"final": deadline, "scope": scope}
         try:
-            proc.stdin.write((json.dumps(command) + "\n").encode())
-            proc.stdin.flush()
+            channel.sendall((json.dumps(command) + "\n").encode(), socket.MSG_NOSIGNAL)
         except OSError:
-            return FinalResult(answered=False, error="the upload process was gone")
-        answer, why = _read_line(proc.stdout, deadline + ANSWER_GRACE_SECONDS)
+            return FinalResult(answered=False, error=f"the upload process {_EXITED}"), proc
+        answer, why = _read_line(channel, deadline + ANSWER_GRACE_SECONDS)
         if answer is None:
-            return FinalResult(answered=False, error=f"the upload process {why}")
-        document = json.loads(answer)
-        return FinalResult(document["files"], document["bytes"], list(document["missing"]), document["error"],
-                           document["seconds"])
+            return FinalResult(answered=False, error=f"the upload process {why}"), (proc if why == _EXITED else None)
+        try:
+            document = json.loads(answer)
+            return FinalResult(document["files"], document["bytes"], list(document["missing"]), document["error"],
+                               document["seconds"]), None
+        except (ValueError, KeyError, TypeError):
+            return FinalResult(answered=False, error=f"the upload process answered {answer[:200]!r}"), None
 
     def close(self) -> None:
-        """Closes its stdin (it exits at once), and kills it if it has not within EXIT_WAIT_SECONDS."""
+        """Closes its channel (it exits at once), and kills it if it has not within EXIT_WAIT_SECONDS."""
         with self.lock:
             self.ending = True
             proc, self.proc = self.proc, None
+            channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close()
         if proc is None:
             return
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
         try:
             proc.wait(EXIT_WAIT_SECONDS)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        proc.stdout.close()
 
 
-def _read_line(stream, deadline: float) -> Tuple[Optional[str], str]:
-    """(one line from the uploader's stdout by `deadline` (monotonic), "") or (None, why not)."""
-    fd = stream.fileno()
+def _exit_code(proc: subprocess.Popen) -> Optional[int]:
+    """Its exit status; one that closed its channel but lives on is killed (a fresh one takes over)."""
+    try:
+        return proc.wait(EXIT_WAIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _read_line(channel: socket.socket, deadline: float) -> Tuple[Optional[str], str]:
+    """(one line from the uploader's channel by `deadline` (monotonic), "") or (None, why not)."""
     buffered = b""
     while b"\n" not in buffered:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not select.select([channel], [], [], left)[0]:
             return None, "did not answer before the deadline"
-        chunk = os.read(fd, 65536)
+        try:
+            chunk = channel.recv(65536)
+        except OSError:  # ECONNRESET: it died with our command unread
+            chunk = b""
         if not chunk:
-            return None, "exited before it answered"
+            return None, _EXITED
         buffered += chunk
     return buffered.split(b"\n", 1)[0].decode("utf-8", "replace"), ""

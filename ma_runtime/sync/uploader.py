@@ -1,17 +1,24 @@
-"""The uploader process: `python -m ma_runtime.sync.uploader`, beside the command, as the platform runs its own.
+"""The uploader process (ma_runtime.sync.uploader), beside the command, as the platform runs its own.
 
 Why a process of its own: its CPU (hashing, TLS, the SDK) and its memory stay out of the supervisor's way
 (signals, console forwarding) and cannot stall it; it runs niced; and its death is an event, not the
 runtime's death (control.py starts it again, once).
 
-Protocol, one JSON document per line:
-- stdin, first line: `{"flags": {...}, "config_file": ...}`: it loads the same JobSpec as the runtime (same
+Run by control.py as `python -I -c <boot> <folder holding ma_runtime> --channel <fd>`: isolated from the job's
+Python path (PYTHONPATH, user site-packages, the current folder), so a job's `sitecustomize.py` or a module that
+shadows a dependency (`yaml.py`) never loads here. `--channel` is its end of a socket pair with the runtime,
+its only control channel: stdout and stderr are the runtime's, for log lines, and nothing printed there can
+garble the protocol.
+
+Protocol on the channel, one JSON document per line:
+- to it, first line: `{"flags": {...}, "config_file": ...}`: it loads the same JobSpec as the runtime (same
   environment, same job file, same flags), so nothing about the job travels on a command line or in a file;
-- stdin, then: `{"final": <deadline>, "scope": "all" | "logs"}`: the periodic cycles stop and one final
+- to it, then: `{"final": <deadline>, "scope": "all" | "logs"}`: the periodic cycles stop and one final
   sync runs until the deadline (a `time.monotonic()` value: CLOCK_MONOTONIC is the machine's clock, not the
-  process's); its result goes to stdout as `{"files", "bytes", "missing", "error", "seconds"}`;
-- stdin at end of file (the runtime closed it, or died): the process exits at once. An upload cut short
-  keeps its record and is resumed by the next uploader.
+  process's); its result comes back as `{"files", "bytes", "missing", "error", "seconds"}`;
+- the channel at end of file (the runtime closed it, or died): the process exits at once. An upload cut short
+  keeps its record and is resumed by the next uploader (the runtime starts one when this one dies during
+  the final sync).
 SIGINT, SIGTERM and SIGHUP are ignored: a Ctrl-C at a terminal reaches the whole foreground process group,
 and the runtime, not the terminal, says when the final sync runs.
 
@@ -23,6 +30,7 @@ The final sync's order: the termination message and the top-level logs (within a
 each output channel (small files, markers, large files, markers), then the rest of the logs.
 """
 
+import argparse
 import json
 import os
 import queue
@@ -37,13 +45,20 @@ NICENESS = 10  # below the training's priority: on 2 cores a sync cycle must not
 # 10 000 files (about 40 ms) keep the 5 s interval; a million (about 4 s) are walked every 80 s.
 WALK_SHARE = 20
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_channel: Optional[int] = None  # the fd of the control channel, where answers go
 
 
-def main() -> int:
-    """Ends by os._exit: the command reader may still hold stdin, which an orderly interpreter exit would wait on."""
+def main(argv: Optional[List[str]] = None) -> int:
+    """Ends by os._exit: the command reader may still hold the channel, which an orderly interpreter exit would
+    wait on."""
+    global _channel
     for signum in _STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    lines = _lines(0)
+    parser = argparse.ArgumentParser(prog="ma_runtime.sync.uploader")
+    parser.add_argument("--channel", type=int, required=True, help="the fd of the control channel (a socket)")
+    _channel = parser.parse_args(sys.argv[1:] if argv is None else argv).channel
+    os.set_inheritable(_channel, False)  # nothing this process may start holds the runtime's channel open
+    lines = _lines(_channel)
     config = json.loads(next(lines, b"null"))
     if not config:
         os._exit(0)
@@ -63,8 +78,12 @@ def _serve(config: dict, lines) -> None:
     from ma_runtime.output import Sink
     from ma_runtime.redact import Masker
 
+    # Before the spec: a failure to load it is a line on stderr (structlog's default would print it to stdout).
+    early = (os.environ.get("MA_RUNTIME_LOG_FORMAT") or "logfmt").strip().lower()
+    masker = Masker.from_environ()
+    logs.configure(early if early in spec_module.LOG_FORMATS else "logfmt", masker=masker)
     spec = spec_module.load(config.get("flags") or {}, os.environ, config.get("config_file"))
-    logs.configure(spec.log_format, spec.log_level, Masker.from_environ())
+    logs.configure(spec.log_format, spec.log_level, masker)
     log = logs.get_logger()
     try:
         spec.task_log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +195,12 @@ def pause(interval: float, walk_cpu: float) -> float:
 
 
 def _answer(result: Dict[str, object]) -> None:
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    data = (json.dumps(result) + "\n").encode()
+    try:
+        while data:
+            data = data[os.write(_channel, data):]
+    except OSError:
+        os._exit(0)  # the runtime is gone: nobody is left to answer
 
 
 if __name__ == "__main__":
