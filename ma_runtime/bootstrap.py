@@ -331,18 +331,20 @@ class _Context:
             sweep(members, _STRAGGLER_KILL_SECONDS)
 
 
-def _after_incomplete_sync(fields: Dict[str, Any], unsynced: List[str], result, seconds: float, log) -> Dict[str, Any]:
-    """Logs what the final sync missed; a job that had succeeded becomes exit 80 (its outputs would be lost),
-    any other keeps its own verdict. Returns the termination message's fields."""
+def _after_incomplete_sync(fields: Dict[str, Any], unsynced: List[str], result, deadline_s: float,
+                           log) -> Dict[str, Any]:
+    """Logs what the final sync missed (`elapsed_s`: how long it took; `deadline_s`: MA_RUNTIME_FINAL_SYNC_SECONDS);
+    a job that had succeeded becomes exit 80 (its outputs would be lost), any other keeps its own verdict. Returns
+    the termination message's fields."""
     log.warning("final sync incomplete", missing=len(result.missing) if result.answered else "unknown",
-                error=result.error, seconds=seconds)
+                error=result.error, elapsed_s=result.seconds, deadline_s=deadline_s)
     for entry in unsynced[:MAX_UNSYNCED_LINES]:
         log.warning("not synced", file=entry)
     if fields["exit_code"] != 0:
         return fields
     fields = dict(
         stage="sync", category=Category.INFRASTRUCTURE.value, exit_code=int(ExitCode.STORAGE_FAILED),
-        reason=_unsynced_reason(unsynced, result, seconds),
+        reason=_unsynced_reason(unsynced, result, deadline_s),
         hint="the command succeeded but its outputs are not all in the store: check the endpoint and the "
              "credentials, or give the final sync more time (MA_RUNTIME_FINAL_SYNC_SECONDS)",
         attempt=fields.get("attempt"))
@@ -350,7 +352,7 @@ def _after_incomplete_sync(fields: Dict[str, Any], unsynced: List[str], result, 
     return fields
 
 
-def _unsynced_reason(unsynced: List[str], result, seconds: float) -> str:
+def _unsynced_reason(unsynced: List[str], result, deadline_s: float) -> str:
     """`outputs not synced: 3 file(s) did not reach the store within ...: train_url: a.pt, ...`."""
     from ma_runtime.sync.targets import LOG_CHANNEL
 
@@ -360,7 +362,7 @@ def _unsynced_reason(unsynced: List[str], result, seconds: float) -> str:
     else:
         shown = ", ".join(unsynced[:3]) + (f", and {len(unsynced) - 3} more" if len(unsynced) > 3 else "")
         reason = (f"{what} not synced: {len(unsynced)} file(s) did not reach the store within "
-                  f"MA_RUNTIME_FINAL_SYNC_SECONDS={seconds:g}: {shown}")
+                  f"MA_RUNTIME_FINAL_SYNC_SECONDS={deadline_s:g}: {shown}")
     return reason + (f" ({result.error})" if result.error else "")
 
 
