@@ -384,12 +384,14 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
     when = "before the command started"
     hangs = _hang_config(spec, log)
     while True:
-        # In the stage thread: msrun's plan may wait for worker-0's name to resolve.
-        plan = context.wait_for(functools.partial(_plan, spec, command, prepared, attempt), when)
+        # In the stage thread: the resume checkpoint is a walk of the output folders, and msrun's plan may wait
+        # for worker-0's name to resolve.
+        current = context.wait_for(functools.partial(_for_attempt, spec, prepared, attempt, log), when)
+        plan = context.wait_for(functools.partial(_plan, spec, command, current, attempt), when)
         context.attempt = attempt
         _record_quietly(spec, attempt)
         context.start_uploader()
-        outcome = _launch(spec, plan, attempt, context, prepared, hangs)
+        outcome = _launch(spec, plan, attempt, context, current, hangs)
         verdict = _verdict(outcome, plan, attempt)
         history.append(verdict)
         decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
@@ -402,6 +404,14 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
         context.wait_for(functools.partial(_between_attempts, spec, decision.delay, log), when)
         prepared = context.wait_for(functools.partial(_refresh, spec, prepared, log), when)
         attempt = dataclasses.replace(attempt, number=attempt.number + 1)
+
+
+def _for_attempt(spec: spec_module.JobSpec, prepared: _Prepared, attempt, log, _stopped: threading.Event) -> _Prepared:
+    """What attempt N's plan and workers start from: MA_RESUME_CHECKPOINT looked for again (resume.py), since
+    the attempt before may have saved a newer checkpoint; `prepared` itself stays as the stages left it."""
+    from ma_runtime import resume
+
+    return dataclasses.replace(prepared, environ=resume.environ_for(spec, prepared.environ, attempt.number, log))
 
 
 def _plan(spec: spec_module.JobSpec, command: Sequence[str], prepared: _Prepared, attempt,

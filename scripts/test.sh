@@ -71,6 +71,9 @@ setup python3 .venv
 # downloads gigabytes of CUDA packages) in the test venv, MindSpore in a venv of its own, as a
 # job's interpreter apart from the runtime's.
 .venv/bin/python -m pip install --quiet torch==2.13.0
+# The resume test runs the real Hugging Face Trainer (tests/e2e/test_resume.py), which needs accelerate; pinned,
+# as CI runs it, with filelock held below 3.21 as this machine requires.
+.venv/bin/python -m pip install --quiet transformers==5.24.0 accelerate==1.15.0 'filelock<3.21'
 .venv/bin/python -m pip install --quiet mpi4py || echo "mpi4py not installed: the mpirun tests will skip" >&2
 if [ ! -x .venv-ms/bin/msrun ]; then
   python3 -m venv .venv-ms

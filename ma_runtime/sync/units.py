@@ -220,8 +220,9 @@ def _not_pointed_at(folder: str, beside: Sequence[str], kinds: Iterable[str], un
         pointers = [relative for relative in beside if units.pointer_kind(relative) == kind]
         if not pointers:
             return "no " + " or ".join(marker for marker, of in POINTERS.items() if of == kind) + " beside it"
-        named = [pointed_folder(kind, read(pointer)) for pointer in pointers]
-        numbers = [pattern.match(found or "") for found in named]
+        contents = [read(pointer) for pointer in pointers]
+        numbers = [pattern.match(pointed_folder(kind, content) or "") for content in contents]
         if all(found is not None and int(found.group(1)) < int(number.group(1)) for found in numbers):
-            return f"{pointers[0]} names {named[0]}, an earlier save"
+            said = (contents[0] or b"")[:POINTER_LIMIT].decode("utf-8", "replace").strip().partition("\n")[0]
+            return f"{pointers[0]} says {said}, an earlier save"
     return None
