@@ -8,6 +8,11 @@ A prefix's local path is that directory; a single object lands inside it and the
 command is given the file's path. The command hears of each channel as
 `--<name>=<local path>` (mode argument) or as the variable `<name>` (mode env).
 
+An output's pre-download takes whole checkpoints only (`_CompleteUnits`): a folder the markers call
+incomplete (a save cut short: `checkpoint-20/` without its `trainer_state.json`) stays in the store, with
+one warning naming it, and so do writers' scratch files (`.tmp*`, MA_RUNTIME_SYNC_EXCLUDE). The markers it
+fetched are given one modification time, so that resume.py's choice among them goes by name.
+
 What was staged is recorded in `${MA_MOUNT_PATH}/.ma-runtime/staged.json` (written
 atomically, never over something that is not a regular file); a restart in the
 same pod (MA_PROC_START_CNT > 1) does not fetch it again. The platform's size
@@ -21,8 +26,10 @@ made, a record that cannot be written) fails as storage too, with the path.
 """
 
 import dataclasses
+import functools
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -31,7 +38,8 @@ from ma_runtime.errors import ConfigError
 from ma_runtime.files import RECORD_LIMIT, read_regular, write_atomically
 from ma_runtime.spec import Channel, JobSpec
 from ma_runtime.storage import url as storage_url
-from ma_runtime.storage.base import StorageError
+from ma_runtime.storage.base import ObjectInfo, StorageError
+from ma_runtime.sync import units as units_module
 
 # (total bytes, files, single file bytes) the platform's console allows (docs/platform.md, "Stage-in").
 LIMITS = {
@@ -112,14 +120,18 @@ def _fetch(spec, environ, log, record, kind: str, location, target: Path, channe
     started = time.monotonic()
     try:
         store = open_store(location, spec, environ)
+        options = transfer.TransferOptions.from_spec(spec, spec.state_dir)
+        whole = _CompleteUnits(spec, store, location, options, log, what) if kind == "outputs" else None
         # A URL without a trailing slash is an object (landing inside `target`) or a prefix: the engine asks.
-        summary = transfer.download(store, location, target, transfer.TransferOptions.from_spec(spec, spec.state_dir),
-                                    log, into_folder=not location.is_prefix)
+        summary = transfer.download(store, location, target, options, log, into_folder=not location.is_prefix,
+                                    select=whole)
     except StorageError as exc:
         # One line that names what failed, the URL once (the engine's message often names it already) and why.
         reason = exc.reason if _names(exc.reason, location) else f"{location.text}: {exc.reason}"
         raise type(exc)(f"{what} failed: {reason}", hint=exc.hint, stage="stage-in") from None
     dest = summary.path
+    if whole is not None:
+        whole.date_markers(dest)
     elapsed = round(time.monotonic() - started, 3)
     log.info(f"{what} completed", url=location.text, path=str(dest), files=summary.files, bytes=summary.bytes,
              skipped=summary.skipped, refused=len(summary.refused), elapsed_s=elapsed)
@@ -168,6 +180,65 @@ def _warn_over_limits(log, kind: str, what: str, dest: Path) -> None:
         over.append(f"a file of {max(sizes)} bytes > {file_limit}")
     if over:
         log.warning(f"{what} is over the platform's console limits (a warning, not an error)", over="; ".join(over))
+
+
+class _CompleteUnits:
+    """An output's pre-download filter (transfer.download's `select`): the listing without the checkpoints that
+    no marker completes (units.incomplete_unit_folders) and without writers' scratch files. A torn save must not
+    come back: transformers' get_last_checkpoint, for one, picks `checkpoint-20/` by its number alone, and a
+    resume from it fails. A pointer marker's content is read from the store (a few bytes)."""
+
+    def __init__(self, spec: JobSpec, store, location, options, log, what: str):
+        from ma_runtime.storage import transfer
+
+        self.units = units_module.Units(spec.sync_markers, spec.sync_exclude)
+        self.store, self.location, self.log, self.what = store, location, log, what
+        self.calls = transfer.Calls(options, log)
+        self.markers: List[str] = []  # the relative paths of the markers kept
+
+    def __call__(self, listed: List[ObjectInfo], prefix: str) -> List[ObjectInfo]:
+        files = {info.key[len(prefix):]: info for info in listed if not info.key.endswith("/")}
+        torn = units_module.incomplete_unit_folders(files, self.units, lambda relative: self._read(files[relative]))
+        outermost = [folder for folder in torn if not any(units_module.under(folder, other) for other in torn
+                                                          if other != folder)]
+        for folder in outermost:
+            inside = sum(1 for relative in files if units_module.under(relative, folder))
+            self.log.warning(f"{self.what} left out an incomplete checkpoint", url=self.location.text,
+                             folder=folder, missing=torn[folder], files=inside)
+        kept, scratch = [], 0
+        for info in listed:
+            relative = info.key[len(prefix):]
+            if any(units_module.under(relative, folder) for folder in outermost):
+                continue
+            if self.units.excluded(relative):
+                scratch += 1
+                continue
+            kept.append(info)
+            if relative in files and self.units.is_marker(relative):
+                self.markers.append(relative)
+        if scratch:
+            self.log.info(f"{self.what} left out writers' temporary files", url=self.location.text, files=scratch)
+        return kept
+
+    def _read(self, info: ObjectInfo) -> bytes:
+        length = min(info.size, units_module.POINTER_LIMIT)
+        if not length:
+            return b""
+        read = functools.partial(self.store.read_range, etag=info.etag, whole=length == info.size)
+        with tempfile.TemporaryFile() as sink:
+            self.calls(read, self.location.bucket, info.key, 0, length, sink.fileno(), 0)
+            sink.seek(0)
+            return sink.read()
+
+    def date_markers(self, dest: Path) -> None:
+        """One time for every marker fetched: their download's order is not their saves' (resume.py then goes by
+        name among them), and any save of the command comes later."""
+        now = time.time_ns()
+        for relative in self.markers:
+            try:
+                os.utime(dest / relative, ns=(now, now), follow_symlinks=False)
+            except OSError:
+                pass  # refused by the engine (an unsafe key), or gone: nothing to date
 
 
 class _Record:

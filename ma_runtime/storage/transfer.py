@@ -176,9 +176,11 @@ class Calls:
 
 
 def download(store, location: Location, dest: Path, options: TransferOptions, log,
-             into_folder: bool = False) -> Summary:
+             into_folder: bool = False, select: Optional[Callable[[List[ObjectInfo], str], List[ObjectInfo]]] = None
+             ) -> Summary:
     """Fetches an object to the file `dest` (into the folder `dest`, under its own name, with `into_folder`),
-    or every object under a prefix into the folder `dest`."""
+    or every object under a prefix into the folder `dest`; `select(listed, prefix)`, for a prefix: the objects
+    of its listing to fetch (the others are neither fetched nor counted)."""
     started = time.monotonic()
     dest = Path(dest).absolute()
     calls = Calls(options, log)
@@ -194,7 +196,7 @@ def download(store, location: Location, dest: Path, options: TransferOptions, lo
             if prefix is None:
                 items, refused = _plan_object(objects[0], location, dest, staging)
             else:
-                items, refused = _plan_tree(objects, prefix, dest, location, staging, log)
+                items, refused = _plan_tree(objects, prefix, dest, location, staging, log, select)
             moved, todo = _fetch(store, location, dest, options, items, refused, staging, log)
         finally:
             staging.close()
@@ -263,8 +265,10 @@ def _plan_object(info: ObjectInfo, location: Location, dest: Path,
 
 
 def _plan_tree(objects, prefix: str, dest: Path, location: Location, staging: "_Staging",
-               log) -> Tuple[List[_Item], List[str]]:
+               log, select=None) -> Tuple[List[_Item], List[str]]:
     """Files to fetch under `dest`, and the keys refused; makes the folders (markers and parents)."""
+    if select is not None:
+        objects = select(list(objects), prefix)
     destination = safety.Destination(dest.resolve(), staging.reserved)
     files: List[Tuple[ObjectInfo, str]] = []
     folders: List[str] = []

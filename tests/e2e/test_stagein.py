@@ -150,3 +150,38 @@ def test_a_runtime_continuing_after_one_that_died_does_not_fetch_again(tmp_path,
     assert again.returncode == 0 and "OK images=20" in again.stdout
     assert "continuing after a runtime that did not finish" in again.stderr
     assert "code download already staged; not fetched again" in again.stderr
+
+
+def test_predownload_takes_whole_checkpoints_only_and_resumes_from_the_newest(tmp_path, job_env, obs_endpoint):
+    # The store as a job killed mid-save left it: Trainer's checkpoint-120/ without trainer_state.json (with
+    # safetensors' scratch file), Megatron's iter_0000030/ that the tracker never named, and scratch files.
+    pytest.importorskip("ma_runtime.storage.obs")
+    bucket = obs_endpoint.new_bucket()
+    objects = {
+        **{f"checkpoint-{step}/{name}": f"{name} {step}".encode() for step in (20, 100)
+           for name in ("config.json", "model.safetensors", "trainer_state.json")},
+        "checkpoint-120/config.json": b"{}", "checkpoint-120/rng_state_1.pth": b"rng",
+        "checkpoint-120/.tmpQeIoOo": b"w",
+        "megatron/latest_checkpointed_iteration.txt": b"20",
+        "megatron/iter_0000020/mp_rank_00/model_optim_rng.pt": b"weights 20",
+        "megatron/iter_0000030/mp_rank_00/model_optim_rng.pt": b"weights 30",
+        ".tmpAbCdEf": b"scratch", "logs/metrics.jsonl.tmp": b"scratch", "logs/metrics.jsonl": b"{}\n",
+    }
+    for key, data in objects.items():
+        obs_endpoint.put(bucket, f"runs/run-1/output/{key}", data)
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"outputs": [{"name": "train_url", "url": f"obs://{bucket}/runs/run-1/output/",
+                                            "predownload": True, "sync": False}]}))
+    job_env.update(obs_endpoint.env("v4"))
+    result = run_ma(["--config", str(job), "sh", "-c", 'echo "resume=$MA_RESUME_CHECKPOINT"'], job_env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    local = Path(job_env["MA_HOME"]) / "modelarts" / "outputs" / "train_url_0"
+    fetched = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    assert fetched == sorted(key for key in objects if not key.startswith(("checkpoint-120/", "megatron/iter_0000030/"))
+                             and not key.endswith(".tmp") and not key.startswith(".tmp"))
+    warnings = [line for line in result.stderr.splitlines() if "left out an incomplete checkpoint" in line]
+    assert len(warnings) == 2, result.stderr
+    assert "folder=checkpoint-120" in warnings[0] and 'missing="no trainer_state.json"' in warnings[0]
+    assert "folder=megatron/iter_0000030" in warnings[1] and "iteration.txt says 20, an earlier save" in warnings[1]
+    # Every marker fetched carries one time: the name decides, numbers as numbers (100 after 20).
+    assert f"resume={local / 'checkpoint-100'}" in result.stdout
