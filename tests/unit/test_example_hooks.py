@@ -1,4 +1,5 @@
-"""The example pre-start hooks in hooks/, run for real: each .sh sourced by bash, the .py run by Python.
+"""The example pre-start hooks in hooks/, run for real: each .sh sourced by bash, and a .py of the job's own
+beside them, as hooks/README.md composes them.
 
 A sourced hook is judged by what it leaves in the shell that sourced it: its status, the exported
 environment (read by a Python child, as a worker would see it), and no helper function or variable
@@ -7,7 +8,6 @@ uid 1000), and only where one is installed.
 """
 
 import contextlib
-import glob
 import json
 import os
 import pwd
@@ -25,7 +25,6 @@ import pytest
 HOOKS = Path(__file__).resolve().parents[2] / "hooks"
 ASCEND = HOOKS / "ascend" / "ma-pre-start.sh"
 SSHD = HOOKS / "mpi-sshd" / "ma-pre-start.sh"
-RESUME = HOOKS / "resume" / "ma-pre-start.py"
 
 # Sources the hook ($1), then writes a report ($2): the status, the environment as a child process
 # sees it, and the names of the shell's functions and variables.
@@ -161,200 +160,6 @@ def test_ascend_accepts_ascend_home_path_alone(tmp_path, cann_env):
     env = {**cann_env}
     del env["ASCEND_TOOLKIT_HOME"]
     assert source(ASCEND, env, tmp_path).status == 0
-
-
-# --- hooks/resume ----------------------------------------------------------------------------------------------
-
-def _python37():
-    """An interpreter as old as the preset images' (Python 3.7), when one is installed."""
-    pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    for candidate in ["python3.7", *sorted(glob.glob(f"{pyenv}/versions/3.7*/bin/python3.7")), "/usr/bin/python3.7"]:
-        path = shutil.which(candidate)
-        if path and subprocess.run([path, "-c", "import sys; assert sys.version_info[:2] == (3, 7)"],
-                                   capture_output=True).returncode == 0:
-            return path
-    return None
-
-
-@pytest.fixture(params=["this Python", "Python 3.7"])
-def interpreter(request):
-    if request.param == "this Python":
-        return sys.executable
-    found = _python37()
-    if found is None:
-        pytest.skip("no Python 3.7 installed")
-    return found
-
-
-def run_resume(tmp_path, env_extra, python=sys.executable, env_file_text=None):
-    env_file = tmp_path / "hook.env"
-    if env_file_text is not None:
-        env_file.write_bytes(env_file_text)
-    env = {**base_env(tmp_path), "MA_MOUNT_PATH": str(tmp_path / "modelarts"), "MA_HOOK_ENV_FILE": str(env_file),
-           **env_extra}
-    code_dir = tmp_path / "code"
-    code_dir.mkdir(exist_ok=True)
-    done = subprocess.run([python, str(RESUME)], env=env, cwd=code_dir, capture_output=True, timeout=60)
-    written = env_file.read_bytes() if env_file.exists() else b""
-    return done, written
-
-
-def parse_env_file(data: bytes) -> dict:
-    """The MA_HOOK_ENV_FILE format, as GitHub Actions reads $GITHUB_ENV: NAME=value, or NAME<<DELIM ... DELIM."""
-    lines, parsed, at = data.split(b"\n"), {}, 0
-    assert lines[-1] == b"", "the file ends with a line break"
-    while at < len(lines) - 1:
-        line = lines[at]
-        if b"<<" in line and (b"=" not in line or line.index(b"<<") < line.index(b"=")):
-            name, delimiter = line.split(b"<<", 1)
-            end = lines.index(delimiter, at + 1)
-            parsed[name.decode()] = b"\n".join(lines[at + 1:end])
-            at = end + 1
-        else:
-            name, value = line.split(b"=", 1)
-            parsed[name.decode()] = value
-            at += 1
-    return parsed
-
-
-def outputs(tmp_path, name="train_url_0"):
-    folder = tmp_path / "modelarts" / "outputs" / name
-    folder.mkdir(parents=True)
-    return folder
-
-
-def saved(path, when, data=b"weights"):
-    """A checkpoint file saved at `when` seconds (an mtime set, not slept for)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    os.utime(path, ns=(when * 10**9, when * 10**9))
-    return path
-
-
-def test_resume_picks_the_newest_by_time_not_the_last_by_name(tmp_path, interpreter):
-    folder = outputs(tmp_path)
-    saved(folder / "ckpt_9.pth", 1000)
-    newest = saved(folder / "ckpt_10.pth", 2000)
-    done, written = run_resume(tmp_path, {}, interpreter)
-    assert done.returncode == 0, done.stderr
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(newest)}
-    assert f"[resume] resume from {newest}" in done.stdout.decode()
-
-
-# Each name also matches a checkpoint pattern (checkpoint*, iter_*, global_step*, *.pth): only the partial rule
-# skips it.
-@pytest.mark.parametrize("partial", ["checkpoint-11.tmp", "iter_0000011.partial", ".ckpt_11.pth", "checkpoint-11.part",
-                                     "checkpoint-11.incomplete", "global_step11~", "checkpoint-11.temp",
-                                     "iter_11.lock"])
-def test_resume_skips_what_looks_half_written_however_new(tmp_path, partial):
-    folder = outputs(tmp_path)
-    complete = saved(folder / "ckpt_10.pth", 1000)
-    saved(folder / partial, 5000)
-    done, written = run_resume(tmp_path, {})
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(complete)}
-
-
-def test_resume_skips_names_that_are_not_checkpoints_and_empty_saves(tmp_path):
-    folder = outputs(tmp_path)
-    complete = saved(folder / "model.safetensors", 1000)
-    saved(folder / "train.log", 5000)
-    saved(folder / "latest_checkpointed_iteration.txt", 5000)
-    saved(folder / "ckpt_99.pt", 5000, data=b"")  # a save that died before writing a byte
-    (folder / "iter_0000099").mkdir()  # a folder made, nothing saved in it yet
-    (folder / "global_step99" / "sub").mkdir(parents=True)
-    done, written = run_resume(tmp_path, {})
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(complete)}
-
-
-def test_resume_dates_a_checkpoint_folder_by_its_newest_file_not_its_own_time(tmp_path):
-    folder = outputs(tmp_path)
-    newer = saved(folder / "iter_0000200" / "mp_rank_00" / "model_optim_rng.pt", 2000).parent.parent
-    older = saved(folder / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt", 1000).parent.parent
-    saved(older / "iter_0000100.tmp", 9000)  # partial files inside do not date it either
-    os.utime(newer, ns=(10**9, 10**9))  # as after a copy or a download: the folders' own times say nothing
-    os.utime(older, ns=(9000 * 10**9, 9000 * 10**9))
-    done, written = run_resume(tmp_path, {})
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(newer)}
-
-
-@pytest.mark.parametrize("names", [("checkpoint-500", "checkpoint-400"), ("global_step_2", "global_step_1")])
-def test_resume_gives_equal_times_to_the_greater_name(tmp_path, names):
-    folder = outputs(tmp_path)
-    for name in reversed(names):
-        saved(folder / name / "model.safetensors", 3000)
-    done, written = run_resume(tmp_path, {})
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(folder / names[0])}
-
-
-def test_resume_finds_nothing_prints_so_writes_nothing_and_succeeds(tmp_path, interpreter):
-    outputs(tmp_path)
-    done, written = run_resume(tmp_path, {}, interpreter)
-    assert done.returncode == 0
-    assert "[resume] no checkpoint to resume from in" in done.stdout.decode()
-    assert written == b""
-
-
-def test_resume_without_any_output_channel_succeeds_and_says_where_it_looked(tmp_path):
-    done, written = run_resume(tmp_path, {})
-    assert done.returncode == 0 and written == b""
-    assert "no checkpoint to resume from" in done.stdout.decode() and "MA_RESUME_DIR" in done.stdout.decode()
-
-
-def test_resume_looks_in_the_first_channel_0_and_ma_resume_dir_overrides_it(tmp_path):
-    in_first = saved(outputs(tmp_path, "a_url_0") / "a.ckpt", 1000)
-    saved(outputs(tmp_path, "b_url_0") / "b.ckpt", 2000)
-    saved(outputs(tmp_path, "a_url_1") / "c.ckpt", 3000)
-    assert parse_env_file(run_resume(tmp_path, {})[1]) == {"MA_RESUME_CHECKPOINT": os.fsencode(in_first)}
-    elsewhere = saved(tmp_path / "sfs" / "ckpts" / "x.pt", 500)
-    (tmp_path / "hook.env").unlink()
-    _, written = run_resume(tmp_path, {"MA_RESUME_DIR": str(elsewhere.parent)})
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(elsewhere)}
-
-
-def test_resume_writes_an_absolute_path_for_a_relative_resume_dir(tmp_path):
-    checkpoint = saved(tmp_path / "code" / "ckpts" / "x.pt", 500)  # the hook runs in the code folder
-    _, written = run_resume(tmp_path, {"MA_RESUME_DIR": "ckpts"})
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(checkpoint)}
-
-
-def test_resume_appends_and_keeps_what_the_env_file_held(tmp_path):
-    saved(outputs(tmp_path) / "a.pt", 500)
-    _, written = run_resume(tmp_path, {}, env_file_text=b"EARLIER=1\n")
-    assert written.startswith(b"EARLIER=1\n")
-    assert set(parse_env_file(written)) == {"EARLIER", "MA_RESUME_CHECKPOINT"}
-
-
-@pytest.mark.parametrize("name", ["step\n10.pt", "step\nEOF\n10.pt", "step\r10.pt", "caf\xe9-\udcff.pt"])
-def test_resume_passes_any_path_whole_line_breaks_and_undecodable_bytes_included(tmp_path, name):
-    checkpoint = saved(outputs(tmp_path) / name, 500)
-    done, written = run_resume(tmp_path, {})
-    assert done.returncode == 0, done.stderr
-    assert parse_env_file(written) == {"MA_RESUME_CHECKPOINT": os.fsencode(checkpoint)}
-    assert len(done.stdout.splitlines()) == 1  # one log line, whatever the name holds
-
-
-def test_resume_keeps_a_checkpoint_the_job_named(tmp_path):
-    saved(outputs(tmp_path) / "a.pt", 500)
-    done, written = run_resume(tmp_path, {"MA_RESUME_CHECKPOINT": "/job/choice.pt"})
-    assert done.returncode == 0 and written == b""
-    assert "kept" in done.stdout.decode()
-
-
-@pytest.mark.parametrize("case", ["resume dir is a file", "env file is a directory"])
-def test_resume_fails_with_one_line_when_it_cannot_read_or_cannot_pass_the_result(tmp_path, case):
-    saved(outputs(tmp_path) / "a.pt", 500)
-    extra = {}
-    if case == "resume dir is a file":
-        extra["MA_RESUME_DIR"] = str(saved(tmp_path / "not-a-folder", 1))
-    else:
-        (tmp_path / "env-dir").mkdir()
-        extra["MA_HOOK_ENV_FILE"] = str(tmp_path / "env-dir")
-    done, _ = run_resume(tmp_path, extra)
-    assert done.returncode == 1
-    out = done.stdout.decode()
-    assert done.stderr == b"" and "Traceback" not in out
-    assert out.splitlines()[-1].startswith("[resume] cannot ")
-    assert ("not-a-folder" if case == "resume dir is a file" else "env-dir") in out.splitlines()[-1]
 
 
 # --- hooks/mpi-sshd --------------------------------------------------------------------------------------------
@@ -568,21 +373,39 @@ def test_mpi_sshd_refuses_a_port_that_is_not_one(tmp_path, empty_hook_baseline, 
 
 # --- together --------------------------------------------------------------------------------------------------
 
+def parse_env_file(data: bytes) -> dict:
+    """The MA_HOOK_ENV_FILE format, as GitHub Actions reads $GITHUB_ENV: NAME=value, or NAME<<DELIM ... DELIM."""
+    lines, parsed, at = data.split(b"\n"), {}, 0
+    assert lines[-1] == b"", "the file ends with a line break"
+    while at < len(lines) - 1:
+        line = lines[at]
+        if b"<<" in line and (b"=" not in line or line.index(b"<<") < line.index(b"=")):
+            name, delimiter = line.split(b"<<", 1)
+            end = lines.index(delimiter, at + 1)
+            parsed[name.decode()] = b"\n".join(lines[at + 1:end])
+            at = end + 1
+        else:
+            name, value = line.split(b"=", 1)
+            parsed[name.decode()] = value
+            at += 1
+    return parsed
+
+
 def test_the_examples_compose_as_hooks_readme_shows(tmp_path, cann_env):
     code = tmp_path / "code"
     code.mkdir()
     shutil.copy(ASCEND, code / "ascend-pre-start.sh")
-    shutil.copy(RESUME, code / "resume-pre-start.py")
+    # A .py of the job's own beside it, passing a variable through the env file the .sh receives too.
+    (code / "my-pre-start.py").write_text('import os\n'
+                                          'open(os.environ["MA_HOOK_ENV_FILE"], "a").write("MY_SETTING=on\\n")\n')
     (code / "ma-pre-start.sh").write_text(". ./ascend-pre-start.sh || return 1\n"
-                                          "python3 ./resume-pre-start.py || return 1\n")
-    checkpoint = saved(tmp_path / "ckpts" / "x.pt", 500)
+                                          "python3 ./my-pre-start.py || return 1\n")
     env_file = tmp_path / "hook.env"
-    env = {**cann_env, "PATH": f"{Path(sys.executable).parent}:{cann_env['PATH']}", "MA_HOOK_ENV_FILE": str(env_file),
-           "MA_RESUME_DIR": str(checkpoint.parent)}
+    env = {**cann_env, "PATH": f"{Path(sys.executable).parent}:{cann_env['PATH']}", "MA_HOOK_ENV_FILE": str(env_file)}
     sourced = source(code / "ma-pre-start.sh", env, code)
     assert sourced.status == 0, sourced.stderr
     assert {name: sourced.env[name] for name in ASCEND_DEFAULTS} == ASCEND_DEFAULTS
-    assert parse_env_file(env_file.read_bytes()) == {"MA_RESUME_CHECKPOINT": os.fsencode(checkpoint)}
+    assert parse_env_file(env_file.read_bytes()) == {"MY_SETTING": b"on"}
     del env["ASCEND_TOOLKIT_HOME"], env["ASCEND_HOME_PATH"]
     env_file.unlink()
     failed = source(code / "ma-pre-start.sh", env, code)
