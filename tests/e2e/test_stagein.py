@@ -183,5 +183,9 @@ def test_predownload_takes_whole_checkpoints_only_and_resumes_from_the_newest(tm
     assert len(warnings) == 2, result.stderr
     assert "folder=checkpoint-120" in warnings[0] and 'missing="no trainer_state.json"' in warnings[0]
     assert "folder=megatron/iter_0000030" in warnings[1] and "iteration.txt says 20, an earlier save" in warnings[1]
-    # Every marker fetched carries one time: the name decides, numbers as numbers (100 after 20).
+    # Every marker fetched carries one time (their download's order is not their saves'): the name decides,
+    # numbers as numbers (100 after 20).
+    markers = ("checkpoint-20/trainer_state.json", "checkpoint-100/trainer_state.json",
+               "megatron/latest_checkpointed_iteration.txt")
+    assert len({(local / marker).stat().st_mtime_ns for marker in markers}) == 1
     assert f"resume={local / 'checkpoint-100'}" in result.stdout
