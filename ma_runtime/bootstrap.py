@@ -256,10 +256,12 @@ class _Context:
             self.uploader = control.Uploader(*self.sources, logs.get_logger())
             self.uploader.start()
 
-    def sync_at_end(self, fields: Dict[str, Any], stop_requested_at: Optional[float]) -> int:
+    def sync_at_end(self, fields: Dict[str, Any], stop_requested_at: Optional[float],
+                    workers_stopped_at: Optional[float] = None) -> int:
         """The final sync (its deadline counted from the stop request, when there was one), after the termination
         message was written (so that it goes up first). What did not make it turns a success into 80, and is
-        listed in the message either way. Returns the exit code."""
+        listed in the message either way. `workers_stopped_at` (time.time()): the workers were stopped then, so
+        what they were writing must not replace what the store has. Returns the exit code."""
         if self.spec is None or self.synced:
             return fields["exit_code"]
         self.synced = True
@@ -275,7 +277,7 @@ class _Context:
         deadline = (stop_requested_at or time.monotonic()) + self.spec.sync_final_seconds
         if self.uploader is None:
             self.uploader = control.Uploader(*self.sources, log)
-        result = self.uploader.final(deadline)
+        result = self.uploader.final(deadline, stopped_at=workers_stopped_at)
         if result.complete:
             log.info("final sync completed", elapsed_s=result.seconds, files=result.files, bytes=result.bytes)
             self._sync_logs_again(deadline)
@@ -396,7 +398,7 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
         history.append(verdict)
         decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
         if not decision.restart:
-            return _finish(verdict, decision, history, attempt, context, outcome.stop_requested_at)
+            return _finish(verdict, decision, history, attempt, context, outcome)
         log.info("restarting command", attempt=attempt.number + 1, reason=verdict.reason,
                  **{"hang_restarts_left" if verdict.state is State.HUNG else "restarts_left": decision.left},
                  backoff_s=decision.delay)
@@ -559,7 +561,7 @@ def _verdict(outcome: Outcome, plan: plan_module.Plan, attempt) -> verdict_modul
 
 
 def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict], attempt,
-            context: _Context, stop_requested_at: Optional[float]) -> int:
+            context: _Context, outcome) -> int:
     """The job's exit code and termination message, from the last attempt's verdict and the decision; then the
     final sync, which can turn a success into 80."""
     final = verdict_module.gave_up(verdict, decision.why) if decision.gave_up else verdict
@@ -586,7 +588,7 @@ def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_mod
             else None,
         )
         context.write_termination(**fields)
-    return context.sync_at_end(fields, stop_requested_at)
+    return context.sync_at_end(fields, outcome.stop_requested_at, outcome.workers_stopped_at)
 
 
 def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, opened: List[Sink],

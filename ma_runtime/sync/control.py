@@ -121,15 +121,18 @@ class Uploader:
                     return
                 self.log.info("upload process restarted", pid=self.proc.pid)
 
-    def final(self, deadline: float, scope: str = "all") -> FinalResult:
+    def final(self, deadline: float, scope: str = "all", stopped_at: Optional[float] = None) -> FinalResult:
         """The final sync (`deadline`: time.monotonic()); in a fresh process when none is running, and in a fresh
-        one again when the uploader dies before it answered (FINAL_RESTARTS at most, before the deadline)."""
+        one again when the uploader dies before it answered (FINAL_RESTARTS at most, before the deadline).
+        `stopped_at`: when the workers were asked to stop (time.time()), if they were: a file being written then
+        must not replace what the store has."""
         started = time.monotonic()
         with self.lock:
             self.ending = True
         restarts = 0
         while True:
-            result, died = self._ask(deadline, scope, restart=restarts > 0)
+            result, died = self._ask({"final": deadline, "scope": scope, "stopped_at": stopped_at}, deadline,
+                                     restart=restarts > 0)
             if died is None or restarts >= FINAL_RESTARTS or time.monotonic() >= deadline:
                 break
             self.log.warning("upload process exited during the final sync; starting a fresh one",
@@ -140,7 +143,7 @@ class Uploader:
         result.seconds = round(time.monotonic() - started, 3)
         return result
 
-    def _ask(self, deadline: float, scope: str, restart: bool) -> Tuple[FinalResult, Optional[subprocess.Popen]]:
+    def _ask(self, command: dict, deadline: float, restart: bool) -> Tuple[FinalResult, Optional[subprocess.Popen]]:
         """(the answer, None), or (why none came, the process) when it died before it answered. `restart`: the
         previous one died during this final sync."""
         with self.lock:
@@ -155,7 +158,6 @@ class Uploader:
             self.log.info("upload process restarted", pid=proc.pid, during="final sync")
         # CLOCK_MONOTONIC is one clock for every process of the machine: the uploader keeps the same deadline,
         # however long it took to read the command.
-        command = {"final": deadline, "scope": scope}
         try:
             channel.sendall((json.dumps(command) + "\n").encode(), socket.MSG_NOSIGNAL)
         except OSError:

@@ -112,6 +112,7 @@ class ChannelSync:
         self.refused: Dict[str, tuple] = {}  # set aside: the store refused this version of the file
         self.published: Dict[str, str] = {}  # a marker in the store -> the folder it was published for
         self.listed: Set[str] = set()  # the keys the start-up listing found
+        self.listing: Optional[tuple] = None  # (done, answer) of the start-up listing, until it is applied
         self.walk_cpu = 0.0  # CPU seconds of the last cycle's walk of the folder
         self.skipped = Skipped(log.warning)
         self.warned: Set[Tuple[str, str]] = set()  # (event, path): warnings already given
@@ -120,22 +121,52 @@ class ChannelSync:
     # ------------------------------------------------------------------ start
 
     def start(self, stop: Optional[threading.Event] = None) -> None:
-        """Once per uploader: forget what the store lost, and settle the multipart uploads a crash left. `stop`
-        (the final sync asked for) cuts it short: the final sync then goes on with the manifest as it is."""
-        try:
-            listed = self._listing(stop)
-            if listed is None:
-                self.log.info("the final sync began before the store was listed: the manifest is trusted",
-                              name=self.target.name)
+        """Once per uploader: forget what the store lost, adopt what it has already, and settle the multipart
+        uploads a crash left; all from one listing of the store. `stop` (the final sync asked for) ends the wait
+        for that listing: the final sync then waits for it a while itself (`_listed_by`), and goes on without
+        it when it takes too long, with the manifest as it is."""
+        done, answer = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                answer["value"] = {info.key: info for info in self.store.list(self.location.bucket, self.prefix)}
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that applies it
+                answer["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="sync-listing", daemon=True).start()
+        self.listing = (done, answer)
+        while not done.wait(0.05):
+            if stop is not None and stop.is_set():
                 return
+        self._apply_listing(stop)
+
+    def _listed_by(self, deadline: Optional[float]) -> None:
+        """A final sync's wait for the start-up listing still under way: a third of the time left at most."""
+        if self.listing is None:
+            return
+        done, _answer = self.listing
+        left = None if deadline is None else max(0.0, (deadline - time.monotonic()) / 3)
+        if done.wait(left):
+            self._apply_listing(None)
+        else:
+            self.log.info("the store's listing is not back: the final sync goes on with the manifest",
+                          name=self.target.name)
+            self.listing = None  # once: its answer, if it ever comes, is dropped
+
+    def _apply_listing(self, stop: Optional[threading.Event]) -> None:
+        (_done, answer), self.listing = self.listing, None
+        try:
+            if "error" in answer:
+                raise answer["error"]
+            listed = answer["value"]
             self.listed = set(listed)
             forgotten = self.manifest.keep_listed({key: info.etag for key, info in listed.items()}, self.key_of)
             if forgotten:
                 self.log.info("objects missing or replaced in the store will be uploaded again", name=self.target.name,
                               files=forgotten)
             self._adopt(listed, stop)
-            if stop is not None and stop.is_set():
-                return
             aborted = settle_uploads(self.store, self.options.state_dir, self.url_prefix, self._still_same, self.log)
             if aborted:
                 self.log.info("aborted unfinished uploads of files that changed", name=self.target.name,
@@ -143,28 +174,6 @@ class ChannelSync:
         except StorageError as exc:  # the first cycle will say it again; the manifest is trusted meanwhile
             self.log.warning(f"{self._kind} upload failed", name=self.target.name, url=self.target.url,
                              error=str(exc))
-
-    def _listing(self, stop: Optional[threading.Event]) -> Optional[dict]:
-        """key -> ObjectInfo under the prefix; None when `stop` came first (the listing goes on in its thread,
-        and its answer is dropped)."""
-        answer: Dict[str, object] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                answer["value"] = {info.key: info for info in self.store.list(self.location.bucket, self.prefix)}
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                answer["error"] = exc
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="sync-listing", daemon=True).start()
-        while not done.wait(0.05):
-            if stop is not None and stop.is_set():
-                return None
-        if "error" in answer:
-            raise answer["error"]
-        return answer["value"]
 
     def _adopt(self, listed, stop: Optional[threading.Event]) -> None:
         """Files already in the store byte for byte (a pre-downloaded output) are recorded, not uploaded again.
@@ -193,6 +202,8 @@ class ChannelSync:
         """`stopped_at` (a final sync only): the time (time.time()) the workers were asked to stop, when they
         were; None when the command ended by itself."""
         started = time.monotonic()
+        if final:
+            self._listed_by(deadline)
         # The cycle's own stop (a failure ends this cycle), which the caller's (the final sync asked for) also sets.
         stop = EitherStop(stop) if stop is not None else threading.Event()
         present: Optional[Set[str]] = set() if self.target.delete and only is None else None

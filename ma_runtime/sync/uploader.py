@@ -13,7 +13,8 @@ garble the protocol.
 Protocol on the channel, one JSON document per line:
 - to it, first line: `{"flags": {...}, "config_file": ...}`: it loads the same JobSpec as the runtime (same
   environment, same job file, same flags), so nothing about the job travels on a command line or in a file;
-- to it, then: `{"final": <deadline>, "scope": "all" | "logs"}`: the periodic cycles stop and one final
+- to it, then: `{"final": <deadline>, "scope": "all" | "logs", "stopped_at": <time.time() or null>}`: the
+  periodic cycles stop and one final
   sync runs until the deadline (a `time.monotonic()` value: CLOCK_MONOTONIC is the machine's clock, not the
   process's); its result comes back as `{"files", "bytes", "missing", "error", "seconds"}`;
 - the channel at end of file (the runtime closed it, or died): the process exits at once. An upload cut short
@@ -107,13 +108,14 @@ def _channel_syncs(spec, log) -> list:
     from ma_runtime.storage.transfer import TransferOptions
     from ma_runtime.sync import targets
     from ma_runtime.sync.engine import ChannelSync
+    from ma_runtime.sync.units import Units
 
     state = spec.state_dir / "sync"
     options = TransferOptions.from_spec(spec, state)
     syncs = []
     for target in targets.of(spec):
         store = open_store(url_module.parse(target.url, target.name), spec)
-        syncs.append(ChannelSync(target, store, options, spec.sync_markers, log, state))
+        syncs.append(ChannelSync(target, store, options, Units(spec.sync_markers, spec.sync_exclude), log, state))
     return syncs
 
 
@@ -149,7 +151,7 @@ class Uploads:
 
     def serve(self, commands: "queue.Queue[dict]", final_asked: threading.Event) -> None:
         for sync in self.syncs:
-            sync.start()
+            sync.start(stop=final_asked)  # a final sync asked for meanwhile goes on with what is known
         due = {id(sync): 0.0 for sync in self.syncs}
         while True:
             if not final_asked.is_set():
@@ -162,10 +164,11 @@ class Uploads:
                 command = commands.get(timeout=None if final_asked.is_set() else wait)
             except queue.Empty:
                 continue
-            _answer(self.final(float(command["final"]), command.get("scope", "all")))
+            _answer(self.final(float(command["final"]), command.get("scope", "all"), command.get("stopped_at")))
 
-    def final(self, deadline: float, scope: str) -> Dict[str, object]:
-        """`deadline`: the runtime's time.monotonic() value (one clock for every process of the machine)."""
+    def final(self, deadline: float, scope: str, stopped_at: Optional[float] = None) -> Dict[str, object]:
+        """`deadline`: the runtime's time.monotonic() value (one clock for every process of the machine);
+        `stopped_at`: when the workers were asked to stop (time.time()), or None when they ended by themselves."""
         from ma_runtime.sync.targets import is_priority_log
 
         started = time.monotonic()
@@ -180,7 +183,7 @@ class Uploads:
             # The first logs may take a third of the time left at most: an endpoint that refuses them must not
             # leave the outputs no time at all.
             limit = deadline if only is None else time.monotonic() + (deadline - time.monotonic()) / 3
-            result = sync.cycle(final=True, deadline=limit, only=only)
+            result = sync.cycle(final=True, deadline=limit, only=only, stopped_at=stopped_at)
             files, nbytes = files + result.files, nbytes + result.bytes
             error = error or result.error
             if only is None:

@@ -459,15 +459,10 @@ def test_writers_seen_through_proc_name_only_the_files_open_for_writing(tmp_path
     from ma_runtime.sync import writers
 
     (tmp_path / "closed.bin").write_bytes(b"x")
-    reader = open(tmp_path / "closed.bin", "rb")
-    writer = open(tmp_path / "open.bin", "ab")
-    try:
+    with open(tmp_path / "closed.bin", "rb"), open(tmp_path / "open.bin", "ab"):  # read, and written
         inodes = {os.stat(tmp_path / name).st_ino for name in ("closed.bin", "open.bin")}
         assert writers.open_for_writing([str(tmp_path)], inodes) == {os.stat(tmp_path / "open.bin").st_ino}
         assert writers.open_for_writing([str(tmp_path / "elsewhere")], inodes) == set()
-    finally:
-        reader.close()
-        writer.close()
 
 
 def test_a_file_replaced_by_rename_every_cycle_reaches_the_store_at_each_cycle(tmp_path):
@@ -1299,7 +1294,7 @@ def test_the_first_logs_of_a_final_sync_get_a_third_of_the_time_left_and_the_out
             self.target = Target("log" if is_log else "train_url", Path("/nonexistent"), "/x", is_log=is_log)
             self.deadlines = []
 
-        def cycle(self, final, deadline, only=None):
+        def cycle(self, final, deadline, only=None, stopped_at=None):
             self.deadlines.append((only is not None, deadline - time.monotonic()))
             return engine.Result()
 

@@ -320,7 +320,25 @@ def test_a_slow_start_up_listing_yields_to_the_final_sync(tmp_path):
 
     assert time.monotonic() - started < 20  # not the listing's 30 s
     assert result.missing == [] and channel.uploaded() == {"a.txt": b"a"}
-    assert channel.log.fields("the final sync began before the store was listed: the manifest is trusted")
+    assert channel.log.fields("the store's listing is not back: the final sync goes on with the manifest")
+
+
+def test_a_start_up_listing_that_comes_back_in_time_is_used_by_the_final_sync(tmp_path):
+    """A pre-downloaded file already in the store is adopted, not uploaded again, even when the final sync was
+    asked for before the listing came back."""
+    channel = Channel(tmp_path, SlowListing(LocalStore(), 0.5))
+    write(channel.root / "a.txt", b"a")
+    channel.cycle(final=True)
+    channel.sync = channel.restarted()
+    (channel.state / f"{next(p.name for p in channel.state.glob('*.manifest.json'))}").unlink()  # a new pod
+    channel.store.written.clear()
+    final_asked = threading.Event()
+    final_asked.set()
+
+    channel.sync.start(stop=final_asked)
+    result = channel.cycle(final=True, deadline=time.monotonic() + 10)
+
+    assert (result.files, result.missing, channel.store.written) == (0, [], [])
 
 
 def test_a_final_sync_that_left_files_out_says_incomplete_not_completed(tmp_path):
