@@ -665,13 +665,20 @@ class Multipart:
     """A multipart upload whose record (upload id, finished parts) lets a rerun continue it.
 
     The record is written before the upload is created (without an id) and again with it: a crash between the
-    two leaves a record that names the key, so the next run can find and abort the upload (`settle_uploads`)."""
+    two leaves a record that names the key, so the next run can find and abort the upload (`settle_uploads`).
+    Records are an optimisation: a state folder that cannot take one (full, read-only) costs a resume, not the
+    upload, and is said once per upload.
+
+    `source`: where the parts are read from, when not `path` (a /proc/self/fd/N of a descriptor the caller holds:
+    the version it opened, whatever happens to the path meanwhile)."""
 
     def __init__(self, store, bucket: str, key: str, url: str, path: Path, stats: os.stat_result,
                  options: TransferOptions, log, *, size: Optional[int] = None,
                  unchanged: Optional[Callable[[], bool]] = None, stop: Optional[threading.Event] = None,
-                 quiet: bool = False):
+                 quiet: bool = False, source: Optional[str] = None):
         self.store, self.bucket, self.key, self.url, self.path = store, bucket, key, url, path
+        self.source = source or str(path)
+        self.records_written = True  # False once a record could not be written (said once)
         # `size`: the first bytes only (a growing log's snapshot); the whole file otherwise.
         self.size = stats.st_size if size is None else size
         self.options = options
@@ -691,7 +698,6 @@ class Multipart:
         self.lock = threading.Lock()
 
     def run(self) -> ObjectInfo:
-        self.options.state_dir.mkdir(parents=True, exist_ok=True)
         if self._resume():
             try:
                 return self._complete()
@@ -699,13 +705,16 @@ class Multipart:
                 # The recorded upload is gone (aborted, or expired on the server): start over, once.
                 self.log.warning("upload could not be resumed, starting over", url=self.url)
         self.etags = {}
-        _write_json(self.record_path, {**self.identity, "upload_id": "", "started": time.time(), "parts": {}})
+        self._keep({**self.identity, "upload_id": "", "started": time.time(), "parts": {}})
         self.upload_id = self.calls(self.store.create_multipart, self.bucket, self.key)
         self._save()
         return self._complete()
 
     def _resume(self) -> bool:
-        record = _read_json(self.record_path)
+        try:
+            record = _read_json(self.record_path)
+        except OSError:  # an unusable state folder: nothing to resume from
+            record = None
         if not record or not record.get("upload_id"):
             return False
         self.upload_id = record["upload_id"]
@@ -718,7 +727,21 @@ class Multipart:
 
     def _save(self) -> None:
         parts = {str(number): etag for number, etag in sorted(self.etags.items())}
-        _write_json(self.record_path, {**self.identity, "upload_id": self.upload_id, "parts": parts})
+        self._keep({**self.identity, "upload_id": self.upload_id, "parts": parts})
+
+    def _keep(self, record: dict) -> None:
+        """Writes the record; a state folder that cannot take it (full, read-only, a file in its place) is said
+        once, and the upload goes on with its parts in memory."""
+        if not self.records_written:
+            return
+        try:
+            self.options.state_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(self.record_path, record)
+        except OSError as exc:
+            self.records_written = False
+            self.log.warning("the upload's record cannot be written: kept in memory (a runtime started again "
+                             "sends the whole file)", url=self.url, path=str(self.record_path),
+                             error=_oserror_text(exc))
 
     def _complete(self) -> ObjectInfo:
         try:
@@ -764,7 +787,7 @@ class Multipart:
         if calls.stop.is_set():
             return
         offset = (number - 1) * self.part_size
-        etag = calls(self.store.upload_part, self.bucket, self.key, self.upload_id, number, str(self.path), offset,
+        etag = calls(self.store.upload_part, self.bucket, self.key, self.upload_id, number, self.source, offset,
                      self._length(number))
         progress.add(self._length(number))
         with self.lock:
@@ -1087,7 +1110,7 @@ def _remove(path) -> None:
         mode = os.lstat(path).st_mode
         if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
             os.unlink(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a file where the folder should be)
         pass
 
 
