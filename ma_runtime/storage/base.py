@@ -13,10 +13,22 @@ transfer engine has one set to retry or report:
   an upload's body the server refused for its Content-MD5);
 - `StorageError`: anything else, not retried.
 All of them end a run with exit code 80, "storage failed".
+
+`refusal` (any of them): the store refused this one object, its name, size or bytes
+(`ObjectRefused`, or a NotFound for a key, a CorruptTransfer for a body, marked by
+`refused`), not an outage: a sync sets the file aside and goes on with the others.
+
+A write is done only when the store confirmed it (`confirmed`, the one rule every
+backend applies to every write it makes: a whole object, a part, a completion): its
+answer names the version written, an ETag; where the size written is known it is the
+size sent; and where an MD5 was sent (`put_bytes`' Content-MD5) and the ETag has the form
+of one, 32 hex digits, it is that MD5. Anything less is a TransientError naming the
+object: the write is sent again, and a caller never records an unconfirmed one, because
+it never gets its ObjectInfo.
 """
 
 import dataclasses
-from typing import Iterator, List, Optional, Protocol, Tuple
+from typing import Iterator, List, Optional, Protocol, Tuple, TypeVar
 
 from ma_runtime.errors import Category, ExitCode, RuntimeFailure
 
@@ -80,6 +92,31 @@ class ObjectInfo:
         """The content MD5 when the ETag is one (single-part upload), else None."""
         etag = (self.etag or "").lower()
         return etag if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag) else None
+
+
+Failure = TypeVar("Failure", bound=StorageError)
+
+
+def refused(failure: Failure) -> Failure:
+    """`failure` marked as the store's refusal of its one object; its class stays, for the callers that catch it
+    (NotFound for a read, CorruptTransfer for a body)."""
+    failure.refusal = True
+    return failure
+
+
+def confirmed(where: str, info: ObjectInfo, size: Optional[int] = None, md5_hex: Optional[str] = None) -> ObjectInfo:
+    """`info`, the store's answer to a write, when it confirms the write (see the module's docstring): an ETag; the
+    `size` written, when given; the `md5_hex` sent, when given and the ETag is an MD5's form. TransientError
+    naming `where` (the action and the object) otherwise."""
+    if not info.etag:
+        raise TransientError(f"{where}: not confirmed by the store (no ETag in its answer); the write is not taken "
+                             "as stored")
+    if size is not None and info.size != size:
+        raise TransientError(f"{where}: not confirmed by the store ({info.size} bytes stored, {size} sent)")
+    if md5_hex and info.md5 is not None and info.md5 != md5_hex.lower():
+        raise TransientError(f"{where}: not confirmed by the store (ETag {info.etag}, not the MD5 of the bytes "
+                             f"sent, {md5_hex.lower()})")
+    return info
 
 
 @dataclasses.dataclass(frozen=True)

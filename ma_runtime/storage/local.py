@@ -18,7 +18,14 @@ Behaving as a server does, so that code tested here behaves the same against OBS
 server's BadDigest), a part whose file ends early is FileChanged, a multipart
 upload that is gone (aborted, or an id that names none) is NotFound, and a failure
 of the filesystem (a full disk, a directory in the way) is a StorageError naming
-the path, not a bare OSError.
+the path, not a bare OSError. A write is confirmed as OBS's are (`base.confirmed`):
+the file renamed into place has a version and the size written.
+
+Refusals (`refusal`, as a server's 4xx for one object): an error about the key
+itself, a name too long (ENAMETOOLONG), one the filesystem does not take (EINVAL,
+EILSEQ, a NUL), something in its way (a folder, a file where a folder should be),
+a file larger than the filesystem allows (EFBIG), and the BadDigest above. A full
+disk, a read-only filesystem, a permission denied are not: they stop every write.
 
 A multipart upload keeps its parts in `.<name>.<upload id>.parts/` beside the
 target; `list_uploads` finds them by that name. Upload ids are 8 hex digits, the
@@ -30,6 +37,7 @@ never anything else (a folder, a FIFO), which is not an object of this store.
 """
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -49,6 +57,8 @@ from ma_runtime.storage.base import (
     StorageError,
     Upload,
     check_part_bounds,
+    confirmed,
+    refused,
 )
 
 CHUNK = 1 << 20
@@ -56,6 +66,9 @@ UPLOAD_ID_LENGTH = 8
 _UPLOAD_ID = re.compile(r"[0-9a-f]{8,32}\Z")
 _PARTS_FOLDER = re.compile(r"\.(?P<name>.+)\.(?P<upload_id>[0-9a-f]{8})\.parts\Z", re.DOTALL)
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}\Z")
+# Failures of a write about its key, not the filesystem (see the module's docstring). EEXIST: NotAFile.
+REFUSED_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
+                            errno.ELOOP, errno.EFBIG})
 
 
 def version_of(stats: os.stat_result) -> str:
@@ -116,20 +129,21 @@ class LocalStore:
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
         with _as_storage_error("uploading to", key):
             target = _upload_target(key)
+            copied = _Count()
             with _open_source(path) as source:
-                write_atomically_from(target, lambda sink: shutil.copyfileobj(source, sink, CHUNK))
-            return _info_of(key, target)
+                write_atomically_from(target, lambda sink: copied.copy(source, sink))
+            return confirmed(f"uploading to {key}", _info_of(key, target), size=copied.bytes)
 
     def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:
         if not _MD5_HEX.match(md5_hex or ""):
             raise StorageError(f"uploading to {key}: {md5_hex!r} is not an MD5 (32 hex digits)")
         actual = hashlib.md5(data, usedforsecurity=False).hexdigest()
         if actual != md5_hex.lower():
-            raise CorruptTransfer(f"uploading to {key}: the bytes' MD5 is {actual}, not the {md5_hex} given")
+            raise refused(CorruptTransfer(f"uploading to {key}: the bytes' MD5 is {actual}, not the {md5_hex} given"))
         with _as_storage_error("uploading to", key):
             target = _upload_target(key)
             write_atomically(target, data)
-            return _info_of(key, target)
+            return confirmed(f"uploading to {key}", _info_of(key, target), size=len(data), md5_hex=md5_hex)
 
     def delete(self, bucket: str, key: str) -> None:
         with _as_storage_error("deleting", key):
@@ -164,17 +178,18 @@ class LocalStore:
 
     def complete_multipart(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]]) -> ObjectInfo:
         parts_dir = self._existing_parts_dir(key, upload_id)
+        copied = _Count()
 
         def concatenate(sink) -> None:
             for number, _etag in sorted(parts):
                 with open(parts_dir / f"{number:05d}", "rb") as source:
-                    shutil.copyfileobj(source, sink, CHUNK)
+                    copied.copy(source, sink)
 
         with _as_storage_error("completing the multipart upload to", key):
             target = _upload_target(key)
             write_atomically_from(target, concatenate)
             shutil.rmtree(parts_dir, ignore_errors=True)
-            return _info_of(key, target)
+            return confirmed(f"completing the multipart upload to {key}", _info_of(key, target), size=copied.bytes)
 
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
         if _UPLOAD_ID.match(upload_id):
@@ -253,6 +268,21 @@ def _open_source(path: str):
     return os.fdopen(fd, "rb")
 
 
+class _Count:
+    """The bytes copied into one upload, for its confirmation."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def copy(self, source, sink) -> None:
+        while True:
+            chunk = source.read(CHUNK)
+            if not chunk:
+                return
+            sink.write(chunk)
+            self.bytes += len(chunk)
+
+
 def _copy_range(source, sink, offset: int, size: int, path: str) -> None:
     done = 0
     while done < size:
@@ -272,6 +302,7 @@ def _as_storage_error(action: str, key: str) -> Iterator[None]:
         yield
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
-        raise StorageError(f"{action} {key}: {exc.strerror or exc}{where}") from exc
-    except ValueError as exc:
-        raise StorageError(f"{action} {key!r}: {exc}") from exc
+        failure = StorageError(f"{action} {key}: {exc.strerror or exc}{where}")
+        raise (refused(failure) if exc.errno in REFUSED_ERRNOS else failure) from exc
+    except ValueError as exc:  # a NUL in the key
+        raise refused(StorageError(f"{action} {key!r}: {exc}")) from exc

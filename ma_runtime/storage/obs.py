@@ -43,9 +43,30 @@ Settings (spec.py) and the decisions made from them:
   not retried: the bytes and their MD5 come from one read of memory, so a retry of
   the same request has nothing new to offer, and the caller (the sync engine) reads
   the file again next cycle. A part's body is checked by its length (a file that
-  ended early fails the part: it changed while it was sent) and its answer by the
-  ETag the server must give; no MD5 is computed for parts (a core's worth of CPU
-  for 500 MB/s, on a machine whose training owns the cores).
+  ended early fails the part: it changed while it was sent); no MD5 is computed for
+  parts (a core's worth of CPU for 500 MB/s, on a machine whose training owns the cores).
+- a write is done only when the server confirmed it (`base.confirmed`, the rule every
+  backend keeps), else it is a TransientError naming the object, sent again:
+  - a PUT (object or part): its answer has an ETag, and no `<Error>` document for a
+    body; for `put_bytes` the ETag is the MD5 sent when it has an MD5's form (S3's and
+    OBS's single-PUT ETags are), unless the answer says the object is encrypted with a
+    KMS or customer key (S3 then gives an ETag that is not the MD5);
+  - a completion: its CompleteMultipartUploadResult has an ETag. S3 documents that it
+    may answer 200 and then fail, with an `<Error>` document for a body; the SDK then
+    returns status 200, no errorCode, and a result whose every field (ETag, Key) is None.
+    Where the answer says nothing (a body the SDK could not parse: cut short, empty),
+    a HEAD decides: the object must have the parts' size (when this store sent them)
+    and, when the parts' ETags are MD5s, the ETag S3 and OBS make of them (the MD5 of
+    their digests, "-<count>"). A completion answered 404 NoSuchUpload (a retry after an
+    attempt whose answer was lost, which completed it) is confirmed by that ETag only;
+    otherwise the upload is gone (`UploadGone`, a NotFound: a rerun starts over).
+  The rule costs no request where the answer confirms the write; a HEAD only where
+  a completion's answer was unreadable or its upload gone.
+- refusals: a 4xx about one object that is not authentication (401, 403, a credential
+  code), throttling (429) or a missing bucket or upload (NoSuchBucket, NoSuchUpload)
+  is the store refusing that object (`refusal`: ObjectRefused; a NotFound for a key, a
+  CorruptTransfer for BadDigest, marked). A 4xx that asks to try again (400
+  RequestTimeout, 409 OperationAborted) is a TransientError.
 - a signed URL is a credential for 15 minutes: no message quotes one (signed.py).
 
 The SDK has two failure styles: connection problems raise, HTTP errors come back
@@ -55,6 +76,7 @@ through, and `_failure_of_exception` / `_failure_of_status` the one mapping.
 
 import base64
 import calendar
+import hashlib
 import http.client
 import ipaddress
 import os
@@ -65,7 +87,7 @@ import threading
 import time
 import unicodedata
 import warnings
-from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 from urllib.parse import unquote_plus, urlsplit
 from xml.etree import ElementTree
 
@@ -82,10 +104,13 @@ from ma_runtime.storage.base import (
     NotFound,
     ObjectChanged,
     ObjectInfo,
+    ObjectRefused,
     StorageError,
     TransientError,
     Upload,
     check_part_bounds,
+    confirmed,
+    refused,
 )
 
 try:  # requests (an SDK dependency) brings urllib3, whose errors are not all OSErrors
@@ -105,9 +130,30 @@ MIN_TIMEOUT_SECONDS = 1.0  # below this, a healthy endpoint's answers would time
 DEFAULT_REGION = "us-east-1"
 HUAWEI_DOMAINS = ("myhuaweicloud.com", "huaweicloud.com")
 RETRYABLE_STATUSES = (429,)  # and every status >= 500
+# 4xx answers that ask to try again: S3's RequestTimeout is a 400, OperationAborted a 409.
+RETRYABLE_CODES = frozenset({"RequestTimeout", "OperationAborted", "SlowDown"})
+# 4xx answers about the credentials (401, 403, 407), throttling (429), or a version read that changed (412).
+NOT_REFUSAL_STATUSES = (401, 403, 407, 412, 429)
+# 4xx codes about the credentials, the bucket or the multipart upload, not the object: no refusal of it.
+NOT_ABOUT_THE_OBJECT = frozenset({
+    "AccessDenied", "AccountProblem", "AllAccessDisabled", "AuthorizationHeaderMalformed",
+    "AuthorizationQueryParametersError", "ExpiredToken", "InvalidAccessKeyId", "InvalidSecurity", "InvalidToken",
+    "MissingSecurityHeader", "RequestTimeTooSkewed", "SignatureDoesNotMatch", "TokenRefreshRequired",
+    "InvalidBucketName", "InvalidBucketState", "NoSuchBucket", "PermanentRedirect",
+    "NoSuchUpload",
+})
+# Answer headers saying the object is encrypted with a KMS or customer key: its ETag is then not its MD5.
+KEY_ENCRYPTION_HEADERS = ("x-amz-server-side-encryption-customer-algorithm",
+                          "x-obs-server-side-encryption-customer-algorithm")
+KMS_ENCRYPTION_HEADERS = ("x-amz-server-side-encryption", "x-obs-server-side-encryption")
 # OSErrors about our own files, not the network: retrying does not help.
 LOCAL_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}\Z")
+_MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]{32}-[0-9]+\Z")
+
+
+class UploadGone(NotFound):
+    """404 NoSuchUpload: the multipart upload was completed or abandoned (a NotFound: the engine starts over)."""
 
 
 class ObsStore:
@@ -195,7 +241,7 @@ class ObsStore:
             size = os.fstat(source.fileno()).st_size
             response = self._request(action, bucket, key, "PUT", headers=_content_type(key),
                                      body=signed.FileRange(source, 0, size), path=path)
-        return ObjectInfo(key, size, self._etag_of(response, action, bucket, key, required=False))
+        return self._confirmed_put(response, action, bucket, key, size)
 
     def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:
         action = "uploading to"
@@ -205,7 +251,7 @@ class ObsStore:
         content_md5 = base64.b64encode(bytes.fromhex(md5_hex)).decode("ascii")
         headers = {"Content-MD5": content_md5, **_content_type(key)}
         response = self._request(action, bucket, key, "PUT", headers=headers, body=bytes(data))
-        return ObjectInfo(key, len(data), self._etag_of(response, action, bucket, key, required=False))
+        return self._confirmed_put(response, action, bucket, key, len(data), md5_hex)
 
     def create_multipart(self, bucket: str, key: str) -> str:
         _require_key("starting a multipart upload to", bucket, key)
@@ -225,7 +271,7 @@ class ObsStore:
             query = {"partNumber": str(number), "uploadId": upload_id}
             response = self._request(action, bucket, key, "PUT", query=query,
                                      body=signed.FileRange(source, offset, size), path=path)
-        etag = self._etag_of(response, action, bucket, key, required=True)
+        etag = self._confirmed_put(response, action, bucket, key, size).etag
         with self._lock:
             self._part_sizes.setdefault(upload_id, {})[number] = size
         return etag
@@ -236,9 +282,28 @@ class ObsStore:
             parts=[CompletePart(partNum=number, etag=f'"{unquote_etag(etag)}"') for number, etag in sorted(parts)]
         )
         action = "completing the multipart upload to"
-        resp = self._call(action, bucket, key, self._client.completeMultipartUpload, bucket, key, upload_id, request)
-        etag = unquote_etag(self._body_of(resp, action, bucket, key).etag)
-        return ObjectInfo(key, self._completed_size(bucket, key, upload_id, parts), etag)
+        where = f"{action} {object_url(bucket, key)}"
+        try:
+            resp = self._call(action, bucket, key, self._client.completeMultipartUpload, bucket, key, upload_id,
+                              request)
+        except UploadGone:
+            # Completed by an earlier attempt whose answer was lost, or abandoned: only the parts' ETag tells.
+            found = self._completed_as_found(bucket, key, upload_id, parts, etag_required=True)
+            if found is None:
+                raise
+            return found
+        if resp.body is None:  # an answer the SDK could not parse (cut short, empty): the object tells
+            found = self._completed_as_found(bucket, key, upload_id, parts, etag_required=False)
+            if found is None:
+                raise TransientError(self._masked(f"{where}: HTTP {resp.status} with an unreadable answer, and the "
+                                                  "object is not the one its parts make: not completed"))
+            return found
+        if not resp.body.etag:
+            # What the SDK makes of an <Error> document in a 200 (see the module's docstring).
+            raise TransientError(self._masked(f"{where}: HTTP {resp.status} with an error document in place of the "
+                                              "result: not completed"))
+        etag = unquote_etag(resp.body.etag)
+        return confirmed(where, ObjectInfo(key, self._completed_size(bucket, key, upload_id, parts), etag))
 
     def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
         self._call("abandoning the multipart upload to", bucket, key, self._client.abortMultipartUpload,
@@ -268,15 +333,46 @@ class ObsStore:
 
     def _completed_size(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]]) -> int:
         # The answer to a complete carries no size: sum the parts this store uploaded, else ask.
+        size = self._sent_size(upload_id, parts)
         with self._lock:
-            sizes = self._part_sizes.pop(upload_id, {})
-        if all(number in sizes for number, _etag in parts):
-            return sum(sizes[number] for number, _etag in parts)
+            self._part_sizes.pop(upload_id, None)
+        if size is not None:
+            return size
         try:
             return self.head(bucket, key).size
         except StorageError as exc:
             # Not a TransientError: retrying the complete itself would now fail with NoSuchUpload.
             raise StorageError(f"completed {object_url(bucket, key)}, but reading its size failed: {exc}") from exc
+
+    def _sent_size(self, upload_id: str, parts: List[Tuple[int, str]]) -> Optional[int]:
+        """The size of the object these parts make, when this store sent them all; else None."""
+        with self._lock:
+            sizes = dict(self._part_sizes.get(upload_id, {}))
+        if all(number in sizes for number, _etag in parts):
+            return sum(sizes[number] for number, _etag in parts)
+        return None
+
+    def _completed_as_found(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]],
+                            etag_required: bool) -> Optional[ObjectInfo]:
+        """The object, when a HEAD finds the one these parts make (see the module's docstring): the ETag made of
+        theirs when it can be computed, and their size when this store sent them; `etag_required`: only the ETag
+        will do. None otherwise (no object, another one, or nothing that tells)."""
+        try:
+            found = self.head(bucket, key)
+        except NotFound:
+            return None
+        size = self._sent_size(upload_id, parts)
+        expected = multipart_etag(etag for _number, etag in sorted(parts))
+        # An ETag of either form S3 and OBS give can be compared: a single PUT's MD5 is never the parts' ETag.
+        if expected and (_MULTIPART_ETAG.match(found.etag or "") or _MD5_HEX.match(found.etag or "")):
+            is_theirs = found.etag.lower() == expected and size in (None, found.size)
+        else:
+            is_theirs = not etag_required and size == found.size
+        if not is_theirs:
+            return None
+        with self._lock:
+            self._part_sizes.pop(upload_id, None)
+        return found
 
     def _call(self, action: str, bucket: str, key: str, method: Callable[..., Any], *args, **kwargs) -> Any:
         """Runs one SDK request; raises the mapped StorageError for a raised exception or a status >= 300."""
@@ -309,7 +405,7 @@ class ObsStore:
             self._requests.release(response)
         if missing_ok and response.status == 404 and code != "NoSuchBucket":
             return None
-        raise self._failure_of_status(response.status, code, message, action, bucket, key)
+        raise self._failure_of_status(response.status, code, message, action, bucket, key, one_object=not listing)
 
     def _drain(self, response: Any, action: str, bucket: str, key: str) -> bytes:
         """The body of a 2xx answer, read to its end (the connection is then kept for the next request)."""
@@ -320,13 +416,18 @@ class ObsStore:
         finally:
             self._requests.release(response)
 
-    def _etag_of(self, response: Any, action: str, bucket: str, key: str, required: bool) -> Optional[str]:
-        """The ETag of a PUT's answer; `required`: one without is a failure (a part's ETag completes the upload)."""
+    def _confirmed_put(self, response: Any, action: str, bucket: str, key: str, size: int,
+                       md5_hex: Optional[str] = None) -> ObjectInfo:
+        """The object a PUT's 2xx answer confirms (see the module's docstring); TransientError otherwise."""
+        where = f"{action} {object_url(bucket, key)}"
         etag = unquote_etag(response.getheader("ETag"))
-        self._drain(response, action, bucket, key)
-        if required and not etag:
-            raise StorageError(f"{action} {object_url(bucket, key)}: no ETag in the answer")
-        return etag
+        if _encrypted_with_a_key(response.getheader):
+            md5_hex = None
+        error = signed.error_document(self._drain(response, action, bucket, key))
+        if error:
+            raise TransientError(self._masked(f"{where}: HTTP {response.status} with an error document ({error}): "
+                                              "not stored"))
+        return confirmed(where, ObjectInfo(key, size, etag), md5_hex=md5_hex)
 
     def _list_page(self, bucket: str, prefix: str, marker: Optional[str]) -> "Listing":
         query = {"max-keys": str(PAGE_SIZE), "encoding-type": "url"}
@@ -371,17 +472,28 @@ class ObsStore:
         return StorageError(self._masked(f"{where}: {type(exc).__name__}: {_one_line(exc)}"))
 
     def _failure_of_status(self, status: int, code: Optional[str], message: Optional[str], action: str, bucket: str,
-                           key: str) -> StorageError:
+                           key: str, one_object: bool = True) -> StorageError:
+        """The error for an HTTP error answer; `one_object`: the request was about one object (not a listing), so
+        a 4xx may be its refusal (see the module's docstring)."""
         answer = " ".join(str(part) for part in (f"HTTP {status}", code, message) if part)
         where = f"{action} {object_url(bucket, key)}"
-        if status >= 500 or status in RETRYABLE_STATUSES:
+        if status >= 500 or status in RETRYABLE_STATUSES or code in RETRYABLE_CODES:
             return TransientError(self._masked(f"{where}: {answer}"))
+        refusal = one_object and is_refusal(status, code)
+        failure = self._client_failure(status, code, where, answer, bucket, refusal)
+        return refused(failure) if refusal else failure
+
+    def _client_failure(self, status: int, code: Optional[str], where: str, answer: str, bucket: str,
+                        refusal: bool) -> StorageError:
         if status == 403:
             return AccessDenied(
                 self._masked(f"{where}: access denied to bucket {bucket!r} ({answer}) with the credentials from "
                              f"{self._credential_source}"),
                 hint=f"check that the credentials in {self._credential_source} may use bucket {bucket!r}",
             )
+        if code == "NoSuchUpload":
+            return UploadGone(self._masked(f"{where}: the multipart upload is gone, completed or abandoned "
+                                           f"({answer})"))
         if status == 404:
             missing = f"bucket {bucket!r} does not exist" if code == "NoSuchBucket" else "not found"
             return NotFound(self._masked(f"{where}: {missing} ({answer})"))
@@ -390,7 +502,7 @@ class ObsStore:
         if code == "BadDigest":  # see the module's docstring: not retried
             return CorruptTransfer(self._masked(f"{where}: the server received bytes whose MD5 is not the "
                                                 f"Content-MD5 sent ({answer})"))
-        return StorageError(self._masked(f"{where}: {answer}"))
+        return (ObjectRefused if refusal else StorageError)(self._masked(f"{where}: {answer}"))
 
     def _body_of(self, resp: Any, action: str, bucket: str, key: str) -> Any:
         # The SDK logs and swallows a parse error of a 2xx answer, leaving the body None. That is
@@ -644,6 +756,28 @@ def object_url(bucket: str, key: str) -> str:
 
 def unquote_etag(etag: Optional[str]) -> Optional[str]:
     return etag.strip().strip('"') if etag else None
+
+
+def is_refusal(status: int, code: Optional[str]) -> bool:
+    """True when an error answer to a request about one object refuses that object (see the module's docstring)."""
+    return 400 <= status < 500 and status not in NOT_REFUSAL_STATUSES and code not in NOT_ABOUT_THE_OBJECT
+
+
+def multipart_etag(part_etags: Iterable[str]) -> Optional[str]:
+    """The ETag S3 and OBS give an object completed from parts with these ETags (in part order), when each is an
+    MD5: the MD5 of their digests, then "-<count>". None otherwise (an encrypted object's parts, say)."""
+    etags = [unquote_etag(etag) or "" for etag in part_etags]
+    if not etags or not all(_MD5_HEX.match(etag) for etag in etags):
+        return None
+    digests = b"".join(bytes.fromhex(etag) for etag in etags)
+    return f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(etags)}"
+
+
+def _encrypted_with_a_key(header: Callable[[str], Optional[str]]) -> bool:
+    """True when a PUT's answer says the object is encrypted with a KMS or customer-provided key."""
+    if any(header(name) for name in KEY_ENCRYPTION_HEADERS):
+        return True
+    return any("kms" in (header(name) or "").lower() for name in KMS_ENCRYPTION_HEADERS)
 
 
 def _is_ip(host: str) -> bool:

@@ -54,6 +54,7 @@ CLOSED_BY_SERVER = (BrokenPipeError, ConnectionResetError, ConnectionAbortedErro
 SIGNED_HEADERS = ("content-md5", "content-type")
 _CODE = re.compile(rb"<Code>([^<]{0,200})</Code>")
 _MESSAGE = re.compile(rb"<Message>([^<]{0,1000})</Message>")
+_ERROR_DOCUMENT = re.compile(rb"\A\s*(?:<\?xml[^>]*\?>\s*)?<Error[\s/>]")
 _SIGNING_PARAMETER = re.compile(
     r"((?:X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|Signature|AWSAccessKeyId|AccessKeyId)=)[^&\s'\"]*",
     re.IGNORECASE)
@@ -331,6 +332,14 @@ def error_of(response: http.client.HTTPResponse) -> Tuple[Optional[str], Optiona
     code = code or _first(_CODE, body)
     message = message or _first(_MESSAGE, body)
     return code, message
+
+
+def error_document(body: bytes) -> Optional[str]:
+    """"<Code>: <Message>" when `body` is an S3-style `<Error>` document (which S3 may send with a 200: the request
+    then failed), else None."""
+    if not _ERROR_DOCUMENT.match(body):
+        return None
+    return ": ".join(part for part in (_first(_CODE, body), _first(_MESSAGE, body)) if part) or "Error"
 
 
 def _first(pattern: "re.Pattern[bytes]", body: bytes) -> Optional[str]:

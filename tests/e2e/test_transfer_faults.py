@@ -8,6 +8,13 @@ the first one on a new connection (the SDK's other calls). Each case ends
 in one of two ways: the transfer succeeds with the right bytes, or it fails
 cleanly with TransientError once `retry_seconds` are spent. Either way, no
 file at a final path is ever partial or corrupt.
+
+Writes a store must not take as done, answered without being passed on:
+"error-200", a 200 whose body is an `<Error>` document (S3 documents that a
+CompleteMultipartUpload may end so), and "no-etag", a 200 without an ETag.
+A request is chosen by its method and query markers (`marker` in it, `unless`
+not): the complete is a POST with `uploadId=`, a whole object a PUT without it.
+Either way the object must end up really stored, or the upload fail cleanly.
 """
 
 import hashlib
@@ -30,6 +37,15 @@ from ma_runtime.storage.stores import open_store
 MiB = 1 << 20
 SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
              b"<Message>Please reduce your request rate.</Message><RequestId>proxy</RequestId></Error>")
+INTERNAL_ERROR = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>InternalError</Code>"
+                  b"<Message>We encountered an internal error. Please try again.</Message>"
+                  b"<RequestId>proxy</RequestId></Error>")
+# Answers given in place of the server's, to a request that never reaches it; the connection stays open.
+ANSWERS = {
+    "error-200": b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(INTERNAL_ERROR), INTERNAL_ERROR),
+    "no-etag": b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+}
 
 
 class FaultProxy:
@@ -42,15 +58,19 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.fault, self.count, self.methods, self.objects_only = None, 0, (), True
         self.delay, self.cut_bytes = 0.0, 0
+        self.marker, self.unless = "", None
         self.spoiled = 0
         self.connections = self.requests = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def arm(self, fault, count=10**9, methods=("GET",), objects_only=True, delay=0.0, cut_bytes=64 * 1024):
-        """`objects_only`: spoil requests for objects (/bucket/key), not bucket-level ones (listings)."""
+    def arm(self, fault, count=10**9, methods=("GET",), objects_only=True, delay=0.0, cut_bytes=64 * 1024,
+            marker="", unless=None):
+        """`objects_only`: spoil requests for objects (/bucket/key), not bucket-level ones (listings); `marker`,
+        `unless`: only requests whose target holds `marker` and not `unless` ("uploadId=", "partNumber=")."""
         with self.lock:
             self.fault, self.count, self.methods, self.objects_only = fault, count, methods, objects_only
             self.delay, self.cut_bytes, self.spoiled = delay, cut_bytes, 0
+            self.marker, self.unless = marker, unless
 
     def disarm(self):
         self.arm(None, 0)
@@ -72,7 +92,9 @@ class FaultProxy:
         is_object = "/" in path.split("?", 1)[0].lstrip("/")  # path style: /bucket/key
         with self.lock:
             self.requests += 1
-            if self.fault and method in self.methods and (is_object or not self.objects_only) and self.count > 0:
+            chosen = self.marker in path and not (self.unless and self.unless in path)
+            if (self.fault and method in self.methods and (is_object or not self.objects_only) and chosen
+                    and self.count > 0):
                 self.count -= 1
                 self.spoiled += 1
                 return self.fault
@@ -98,6 +120,9 @@ class FaultProxy:
                     client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
                                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(SLOW_DOWN), SLOW_DOWN))
                     return
+                if fault in ANSWERS:
+                    client.sendall(ANSWERS[fault])
+                    continue
                 if not self._forward(client, head, body, fault):
                     return
         except OSError:
@@ -322,6 +347,42 @@ def test_faults_during_a_multipart_upload_are_retried(proxy, obs_endpoint, tmp_p
     assert obs_endpoint.s3.get_object(Bucket=bucket, Key="up/model.bin")["Body"].read() == data
 
 
+def upload_options(tmp_path, retry_seconds=30):
+    return transfer.TransferOptions(workers=2, part_size=5 * MiB, large_threshold=8 * MiB,
+                                    retry_seconds=retry_seconds, progress_seconds=0, state_dir=tmp_path / "state")
+
+
+def test_an_error_in_a_200_to_the_complete_is_retried_and_the_object_is_whole(proxy, obs_endpoint, tmp_path):
+    bucket = obs_endpoint.new_bucket()
+    data = random.Random(2).randbytes(12 * MiB + 5)
+    path = tmp_path / "model.bin"
+    path.write_bytes(data)
+    log = Log()
+    proxy.arm("error-200", 1, ("POST",), marker="uploadId=")
+
+    info = transfer.upload_file(store_via(proxy, obs_endpoint, tmp_path), path,
+                                storage_url.parse(f"obs://{bucket}/up/model.bin"), upload_options(tmp_path), log)
+
+    assert proxy.spoiled == 1 and ("warning", "storage request failed, retrying") in log.events
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="up/model.bin")["Body"].read() == data
+    assert info.etag == obs_endpoint.s3.head_object(Bucket=bucket, Key="up/model.bin")["ETag"].strip('"')
+
+
+def test_a_put_answered_200_without_an_etag_is_sent_again(proxy, obs_endpoint, tmp_path):
+    bucket = obs_endpoint.new_bucket()
+    path = tmp_path / "metrics.json"
+    path.write_bytes(b'{"loss": 0.25}')
+    log = Log()
+    proxy.arm("no-etag", 1, ("PUT",), unless="uploadId=")
+
+    info = transfer.upload_file(store_via(proxy, obs_endpoint, tmp_path), path,
+                                storage_url.parse(f"obs://{bucket}/up/"), upload_options(tmp_path), log)
+
+    assert proxy.spoiled == 1 and ("warning", "storage request failed, retrying") in log.events
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="up/metrics.json")["Body"].read() == path.read_bytes()
+    assert info.etag == hashlib.md5(path.read_bytes()).hexdigest()
+
+
 # --------------------------------------------------------------------------- faults that do not pass
 
 
@@ -356,3 +417,28 @@ def test_cut_large_parts_resume_after_the_fault_clears(proxy, obs_endpoint, seed
 
     assert (tmp_path / "dest" / "big.bin").read_bytes() == expected["big.bin"]
     assert summary.files + summary.skipped == len(expected)
+
+
+def test_endless_errors_in_200_to_the_complete_fail_cleanly_and_a_rerun_completes(proxy, obs_endpoint, tmp_path):
+    """Never taken as done: the upload fails once `retry_seconds` are spent, nothing is at the key, and the
+    upload's record stays, so a rerun completes it without sending its parts again."""
+    bucket = obs_endpoint.new_bucket()
+    data = random.Random(3).randbytes(12 * MiB)
+    path = tmp_path / "model.bin"
+    path.write_bytes(data)
+    location = storage_url.parse(f"obs://{bucket}/up/model.bin")
+    store = store_via(proxy, obs_endpoint, tmp_path)
+    proxy.arm("error-200", methods=("POST",), marker="uploadId=")
+
+    with pytest.raises(TransientError, match=r"error document.*failed \d+ times in"):
+        transfer.upload_file(store, path, location, upload_options(tmp_path, retry_seconds=2), Log())
+
+    assert proxy.spoiled >= 2
+    assert obs_endpoint.s3.list_objects(Bucket=bucket).get("Contents") is None
+    proxy.arm("reset", methods=("PUT",))  # a part sent again would fail: none is
+    log = Log()
+
+    transfer.upload_file(store, path, location, upload_options(tmp_path), log)
+
+    assert ("info", "upload resumed") in log.events and proxy.spoiled == 0
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="up/model.bin")["Body"].read() == data

@@ -361,6 +361,7 @@ def test_other_statuses_are_storage_errors_with_status_and_code(tmp_path):
         with pytest.raises(StorageError) as caught:
             list(store.list("bkt", "p/"))
     assert type(caught.value) is StorageError
+    assert caught.value.refusal is False  # a listing is about a prefix: no one object to set aside
     assert "HTTP 400 InvalidArgument" in str(caught.value) and "obs://bkt/p/" in str(caught.value)
 
 

@@ -5,11 +5,15 @@ moto checks no signature and no Content-MD5, so the ObsStore tests talk to moto 
 small HTTP proxy that does what a real server does with a presigned request before passing it on: it checks
 the signature of the request as it arrived (v4 and v2, computed here from the AWS rules, independently of the
 code under test), refuses a body whose MD5 is not its Content-MD5 (400 BadDigest), and notes the connection
-each request came on. Objects are checked with boto3, talking to moto directly.
+each request came on. It can also answer chosen requests itself (`spoil`): a 200 without an ETag, with an
+`<Error>` document, with an unreadable body, before or after passing the request on, for the answers a real
+server may give and moto never does. Objects are checked with boto3, talking to moto directly.
 """
 
 import base64
 import contextlib
+import dataclasses
+import errno
 import hashlib
 import hmac
 import http.client
@@ -19,19 +23,22 @@ import socket
 import ssl
 import threading
 from pathlib import Path
+from typing import Optional, Tuple
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import pytest
 from obs import ObsClient
 
+from ma_runtime.storage import local as local_module
 from ma_runtime.storage import obs as obs_module
-from ma_runtime.storage import signed
+from ma_runtime.storage import signed, transfer
 from ma_runtime.storage.base import (
     AccessDenied,
     CorruptTransfer,
     FileChanged,
     NotFound,
     ObjectInfo,
+    ObjectRefused,
     StorageError,
     TransientError,
     Upload,
@@ -60,6 +67,37 @@ def md5_of(data: bytes) -> str:
 # --- a proxy in front of moto that checks what moto does not ---------------------------------------------
 
 
+@dataclasses.dataclass
+class Spoiled:
+    """An answer the proxy gives in place of the server's, to the next `count` requests of `method` whose target
+    holds `marker` and not `unless`. `forward`: the request reaches the server first (the write happens; its
+    answer is lost)."""
+
+    method: str
+    marker: str = ""
+    status: int = 200
+    body: bytes = b""
+    headers: Tuple[Tuple[str, str], ...] = ()
+    forward: bool = False
+    count: int = 1
+    unless: Optional[str] = None
+
+    def matches(self, method: str, target: str) -> bool:
+        return (self.count > 0 and method == self.method and self.marker in target
+                and not (self.unless and self.unless in target))
+
+
+def spoil(proxy, method, marker="", **answer) -> Spoiled:
+    spoiled = Spoiled(method, marker, **answer)
+    with proxy.lock:
+        proxy.spoils.append(spoiled)
+    return spoiled
+
+
+COMPLETE = ("POST", "uploadId=")  # the SDK's CompleteMultipartUpload: POST /bucket/key?uploadId=...
+INTERNAL_ERROR = error_xml("InternalError", "We encountered an internal error. Please try again.")
+
+
 class _Checking(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as a real server
 
@@ -73,9 +111,26 @@ class _Checking(http.server.BaseHTTPRequestHandler):
         sent_md5 = self.headers.get("Content-MD5")
         if sent_md5 is not None and sent_md5 != base64.b64encode(hashlib.md5(body).digest()).decode():
             return self._answer(400, error_xml("BadDigest", "The Content-MD5 you specified did not match"))
-        self._relay(body)
+        spoiled = self._take_spoiled()
+        if spoiled is None:
+            return self._relay(body)
+        if spoiled.forward:
+            self._exchange(body)
+        self._answer(spoiled.status, spoiled.body, spoiled.headers)
+
+    def _take_spoiled(self) -> Optional[Spoiled]:
+        with self.server.lock:
+            for spoiled in self.server.spoils:
+                if spoiled.matches(self.command, self.path):
+                    spoiled.count -= 1
+                    return spoiled
+        return None
 
     def _relay(self, body: bytes):
+        self._answer(*self._exchange(body))
+
+    def _exchange(self, body: bytes):
+        """Sends the request to moto: (status, body, headers, Content-Length) of its answer."""
         upstream = http.client.HTTPConnection(*self.server.upstream, timeout=30)
         try:
             headers = {name: value for name, value in self.headers.items()
@@ -89,7 +144,7 @@ class _Checking(http.server.BaseHTTPRequestHandler):
         passed = [(name, value) for name, value in answer.getheaders()
                   if name.lower() not in ("connection", "content-length", "transfer-encoding", "date", "server")]
         length = answer.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
-        self._answer(answer.status, data, passed, length)
+        return answer.status, data, passed, length
 
     def _answer(self, status, body, headers=(), length=None):
         self.send_response(status)
@@ -159,6 +214,7 @@ def proxy(obs_endpoint):
     server.daemon_threads = True
     server.upstream = urlsplit(obs_endpoint.url).hostname, urlsplit(obs_endpoint.url).port
     server.seen, server.bad_signatures = [], []
+    server.lock, server.spoils = threading.Lock(), []
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -369,6 +425,181 @@ def test_a_source_that_is_not_a_regular_file_is_refused_without_blocking(store, 
     assert presigned(proxy) == []
 
 
+# --- a write counts only when the store confirmed it -------------------------------------------------------
+
+
+class Log:
+    def __init__(self):
+        self.events = []
+
+    def info(self, event, **fields):
+        self.events.append(("info", event))
+
+    def warning(self, event, **fields):
+        self.events.append(("warning", event))
+
+    error = warning
+
+
+def retrying(tmp_path, seconds=10):
+    return transfer.TransferOptions(workers=2, part_size=5 * MiB, large_threshold=5 * MiB, retry_seconds=seconds,
+                                    progress_seconds=0, state_dir=tmp_path / "state")
+
+
+def single_writes(store, bucket, tmp_path, data=b"the bytes of the file"):
+    """The whole-object and part writes, each as (name, zero-argument callable)."""
+    path = file_of(tmp_path, data)
+    yield "put_bytes", lambda: store.put_bytes(bucket, "out/w.bin", data, md5_of(data))
+    yield "put_file", lambda: store.put_file(bucket, "out/w.bin", path)
+    upload_id = store.create_multipart(bucket, "out/w.bin")
+    yield "upload_part", lambda: store.upload_part(bucket, "out/w.bin", upload_id, 1, path, 0, len(data))
+
+
+def object_keys(obs_endpoint, bucket):
+    return [item["Key"] for item in obs_endpoint.s3.list_objects(Bucket=bucket).get("Contents", [])]
+
+
+def test_a_write_answered_200_without_an_etag_is_not_confirmed(store, obs_endpoint, proxy, bucket, tmp_path):
+    for name, write in single_writes(store, bucket, tmp_path):
+        spoil(proxy, "PUT")  # 200, no ETag, and the request never reached the server
+        with pytest.raises(TransientError, match=f"obs://{bucket}/out/w.bin: not confirmed .*no ETag") as caught:
+            write()
+        assert_no_secret(caught.value)
+        assert object_keys(obs_endpoint, bucket) == [], name
+
+
+def test_a_put_without_an_etag_is_sent_again_by_the_transfer_engine(store, obs_endpoint, proxy, bucket, tmp_path):
+    data = b"checkpoint bytes"
+    spoiled = spoil(proxy, "PUT")
+    log = Log()
+
+    info = transfer.Calls(retrying(tmp_path), log)(store.put_bytes, bucket, "out/ckpt.bin", data, md5_of(data))
+
+    assert (spoiled.count, info) == (0, ObjectInfo("out/ckpt.bin", len(data), md5_of(data)))
+    assert ("warning", "storage request failed, retrying") in log.events
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="out/ckpt.bin")["Body"].read() == data
+
+
+@pytest.mark.parametrize("headers, confirms", [
+    ((("ETag", f'"{md5_of(b"other bytes")}"'),), False),
+    ((("ETag", f'"{md5_of(b"the bytes").upper()}"'),), True),
+    ((("ETag", '"not-an-md5"'),), True),  # not an MD5's form: nothing to compare
+    ((("ETag", f'"{md5_of(b"other bytes")}"'), ("x-amz-server-side-encryption", "aws:kms")), True),
+    ((("ETag", f'"{md5_of(b"other bytes")}"'), ("x-obs-server-side-encryption", "kms")), True),
+], ids=["another-md5", "upper-case", "opaque", "sse-kms", "obs-kms"])
+def test_a_put_bytes_etag_must_be_the_md5_sent(store, proxy, bucket, headers, confirms):
+    """S3's and OBS's single-PUT ETag is the MD5 of the bytes stored, except for objects encrypted with a KMS or
+    customer key."""
+    spoil(proxy, "PUT", headers=headers)
+    if confirms:
+        assert store.put_bytes(bucket, "out/x.bin", b"the bytes", md5_of(b"the bytes")).etag
+        return
+    with pytest.raises(TransientError, match=f"not the MD5 of the bytes sent, {md5_of(b'the bytes')}"):
+        store.put_bytes(bucket, "out/x.bin", b"the bytes", md5_of(b"the bytes"))
+
+
+def test_an_error_document_in_a_200_to_a_put_is_not_stored(store, obs_endpoint, proxy, bucket, tmp_path):
+    for name, write in single_writes(store, bucket, tmp_path, b"data"):
+        spoil(proxy, "PUT", body=INTERNAL_ERROR, headers=(("ETag", f'"{md5_of(b"data")}"'),))
+        with pytest.raises(TransientError, match=r"HTTP 200 with an error document \(InternalError: We encountered"):
+            write()
+        assert object_keys(obs_endpoint, bucket) == [], name
+
+
+def sent_parts(store, bucket, key, tmp_path, data):
+    """A multipart upload of `data` in parts of 5 MiB, all sent: (upload id, parts)."""
+    path = file_of(tmp_path, data, name=f"parts-{md5_of(data)}.bin")
+    upload_id = store.create_multipart(bucket, key)
+    parts = [(number, store.upload_part(bucket, key, upload_id, number, path, offset, min(5 * MiB, len(data) - offset)))
+             for number, offset in enumerate(range(0, len(data), 5 * MiB), start=1)]
+    return upload_id, parts
+
+
+def stored_etag(obs_endpoint, bucket, key):
+    return obs_endpoint.s3.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+
+
+@pytest.mark.parametrize("forward", [False, True], ids=["not-completed", "completed-then-error"])
+def test_an_error_document_in_a_200_to_the_complete_fails_it_and_a_retry_completes(store, obs_endpoint, proxy,
+                                                                                  bucket, tmp_path, forward):
+    """What the SDK gives for it: status 200, no errorCode, a result whose every field is None. Sent again, the
+    complete completes (moto, like S3, also answers a second complete of a completed upload with its result)."""
+    data = os.urandom(5 * MiB + 1000)
+    upload_id, parts = sent_parts(store, bucket, "out/big.bin", tmp_path, data)
+    spoil(proxy, *COMPLETE, body=INTERNAL_ERROR, forward=forward)
+
+    with pytest.raises(TransientError, match=f"obs://{bucket}/out/big.bin: HTTP 200 with an error document"):
+        store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+    assert object_keys(obs_endpoint, bucket) == (["out/big.bin"] if forward else [])
+
+    info = store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+
+    assert info == ObjectInfo("out/big.bin", len(data), stored_etag(obs_endpoint, bucket, "out/big.bin"))
+    assert info.etag == obs_module.multipart_etag(etag for _number, etag in parts)
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="out/big.bin")["Body"].read() == data
+
+
+def test_a_multipart_upload_through_an_error_in_a_200_ends_really_complete(store, obs_endpoint, proxy, bucket,
+                                                                           tmp_path):
+    data = os.urandom(11 * MiB)
+    path = Path(file_of(tmp_path, data))
+    spoiled = spoil(proxy, *COMPLETE, body=INTERNAL_ERROR)
+    options = retrying(tmp_path)
+    log = Log()
+
+    info = transfer.Multipart(store, bucket, "out/model.bin", f"obs://{bucket}/out/model.bin", path, path.stat(),
+                              options, log).run()
+
+    assert spoiled.count == 0 and ("warning", "storage request failed, retrying") in log.events
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="out/model.bin")["Body"].read() == data
+    assert info == ObjectInfo("out/model.bin", len(data), stored_etag(obs_endpoint, bucket, "out/model.bin"))
+    assert list(options.state_dir.iterdir()) == []  # no record left: the upload is done
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["completed", "not-completed"])
+def test_an_unreadable_answer_to_the_complete_is_decided_by_the_object(store, obs_endpoint, proxy, bucket,
+                                                                       tmp_path, forward):
+    """A 200 whose body the SDK cannot parse (cut short, empty) says nothing: a HEAD decides, by the ETag the
+    parts make and their size. An older object of the same size at the key is not taken for the new one."""
+    data = os.urandom(5 * MiB + 10)
+    obs_endpoint.put(bucket, "out/big.bin", os.urandom(len(data)))  # the version before: same size
+    upload_id, parts = sent_parts(store, bucket, "out/big.bin", tmp_path, data)
+    spoil(proxy, *COMPLETE, body=b"<CompleteMultipartUploadResult><Bucket>", forward=forward)
+
+    if forward:
+        info = store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+        assert info == ObjectInfo("out/big.bin", len(data), obs_module.multipart_etag(e for _n, e in parts))
+    else:
+        with pytest.raises(TransientError, match="unreadable answer, and the object is not the one its parts make"):
+            store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+        store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="out/big.bin")["Body"].read() == data
+
+
+def test_a_retried_complete_finding_the_upload_gone_is_confirmed_by_the_etag_of_its_parts(store, obs_endpoint,
+                                                                                         proxy, bucket, tmp_path):
+    """OBS answers a second complete of a completed upload 404 NoSuchUpload: the object made of these parts (its
+    ETag) is the confirmation. An older object is not: the upload is gone, NotFound, and a rerun starts over."""
+    data = os.urandom(5 * MiB + 10)
+    upload_id, parts = sent_parts(store, bucket, "out/big.bin", tmp_path, data)
+    spoil(proxy, *COMPLETE, body=INTERNAL_ERROR, forward=True)
+    spoil(proxy, *COMPLETE, status=404, body=error_xml("NoSuchUpload", "The specified upload does not exist"))
+    with pytest.raises(TransientError):
+        store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+
+    info = store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+
+    assert info == ObjectInfo("out/big.bin", len(data), stored_etag(obs_endpoint, bucket, "out/big.bin"))
+
+    upload_id, parts = sent_parts(store, bucket, "out/big.bin", tmp_path, os.urandom(len(data)))
+    spoil(proxy, *COMPLETE, status=404, body=error_xml("NoSuchUpload", "The specified upload does not exist"))
+    with pytest.raises(NotFound, match="NoSuchUpload") as caught:
+        store.complete_multipart(bucket, "out/big.bin", upload_id, parts)
+    assert caught.value.refusal is False
+    assert obs_endpoint.s3.get_object(Bucket=bucket, Key="out/big.bin")["Body"].read() == data
+    store.abort_multipart(bucket, "out/big.bin", upload_id)
+
+
 # --- delete ------------------------------------------------------------------------------------------------
 
 
@@ -549,6 +780,57 @@ def test_5xx_and_429_are_transient(tmp_path, status):
         for _name, call in every_write(store, tmp_path):
             with pytest.raises(TransientError, match=f"HTTP {status}"):
                 call()
+
+
+def writes_of_one_object(store, tmp_path):
+    """Every write about one object, by both ways requests go (signed URLs, SDK calls): (name, callable)."""
+    path = file_of(tmp_path, b"x" * 100)
+    yield "put_bytes", lambda: store.put_bytes("bkt", "k", b"data", md5_of(b"data"))
+    yield "put_file", lambda: store.put_file("bkt", "k", path)
+    yield "upload_part", lambda: store.upload_part("bkt", "k", "up1", 1, path, 0, 100)
+    yield "create_multipart", lambda: store.create_multipart("bkt", "k")
+    yield "complete_multipart", lambda: store.complete_multipart("bkt", "k", "up1", [(1, md5_of(b"x"))])
+
+
+@pytest.mark.parametrize("status, code, failure", [
+    (400, "KeyTooLongError", ObjectRefused),
+    (400, "InvalidArgument", ObjectRefused),
+    (400, "InvalidObjectName", ObjectRefused),
+    (404, "NoSuchKey", NotFound),
+    (413, "EntityTooLarge", ObjectRefused),
+    (414, "RequestURITooLong", ObjectRefused),
+    (400, "BadDigest", CorruptTransfer),
+])
+def test_a_4xx_about_the_object_is_its_refusal(tmp_path, status, code, failure):
+    """The store will not take this object (its name, size, bytes): the others may still go."""
+    with fake_server(status, error_xml(code, "refused")) as url:
+        store = make_store(fake_env(url), tmp_path)
+        for name, write in writes_of_one_object(store, tmp_path):
+            with pytest.raises(failure, match=code) as caught:
+                write()
+            assert caught.value.refusal is True, name
+            assert "obs://bkt/k" in str(caught.value), name
+
+
+@pytest.mark.parametrize("status, code, failure", [
+    (403, "AccessDenied", AccessDenied),
+    (401, "Unauthorized", StorageError),
+    (400, "ExpiredToken", StorageError),
+    (429, "SlowDown", TransientError),
+    (503, "ServiceUnavailable", TransientError),
+    (400, "RequestTimeout", TransientError),
+    (409, "OperationAborted", TransientError),
+    (404, "NoSuchBucket", NotFound),
+    (404, "NoSuchUpload", NotFound),
+])
+def test_authentication_throttling_outages_and_missing_buckets_are_no_refusal(tmp_path, status, code, failure):
+    """They are about every object: a sync's cycle ends (a missing upload: started over), it does not go on."""
+    with fake_server(status, error_xml(code, "not about the object")) as url:
+        store = make_store(fake_env(url), tmp_path)
+        for name, write in writes_of_one_object(store, tmp_path):
+            with pytest.raises(failure, match=code) as caught:
+                write()
+            assert caught.value.refusal is False, name
 
 
 def test_an_unreachable_endpoint_is_transient_naming_the_object(tmp_path):
@@ -734,6 +1016,57 @@ def test_local_failures_of_the_filesystem_are_storage_errors(tmp_path):
         os.mkfifo(tmp_path / "fifo")
     with pytest.raises(StorageError, match="a FIFO, not a regular file"):
         store.put_file("", str(tmp_path / "out"), str(tmp_path / "fifo"))
+
+
+def test_local_writes_confirm_what_they_stored(tmp_path, monkeypatch):
+    """The rule OBS's writes keep: a file renamed into place with fewer bytes than sent is not confirmed."""
+    store = LocalStore()
+    written = local_module.write_atomically
+    monkeypatch.setattr(local_module, "write_atomically", lambda target, data: written(target, data[:-1]))
+    with pytest.raises(TransientError, match=r"not confirmed by the store \(3 bytes stored, 4 sent\)"):
+        store.put_bytes("", str(tmp_path / "f.bin"), b"data", md5_of(b"data"))
+
+
+@pytest.mark.parametrize("key", ["x" * 300, "a\0b", "file/below", "folder"])
+def test_a_local_key_the_filesystem_will_not_take_is_a_refusal(tmp_path, key):
+    """Too long, a NUL, a file where a folder should be, a folder where the file should be: that key only."""
+    store = LocalStore()
+    (tmp_path / "file").write_bytes(b"x")
+    (tmp_path / "folder").mkdir()
+    for write in (lambda: store.put_bytes("", f"{tmp_path}/{key}", b"x", md5_of(b"x")),
+                  lambda: store.put_file("", f"{tmp_path}/{key}", file_of(tmp_path, b"x")),
+                  lambda: store.create_multipart("", f"{tmp_path}/{key}")):
+        with pytest.raises(StorageError) as caught:
+            write()
+        assert caught.value.refusal is True
+
+
+def test_local_bytes_that_are_not_their_md5_are_a_refusal(tmp_path):
+    with pytest.raises(CorruptTransfer) as caught:
+        LocalStore().put_bytes("", str(tmp_path / "f"), b"data", md5_of(b"other"))
+    assert caught.value.refusal is True
+
+
+@pytest.mark.parametrize("name", ["ENAMETOOLONG", "EINVAL", "EILSEQ", "EFBIG",
+                                  "ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EIO"])
+def test_local_failures_of_the_filesystem_are_no_refusal_failures_of_the_key_are(tmp_path, monkeypatch, name):
+    error = getattr(errno, name)
+    refusal = name in ("ENAMETOOLONG", "EINVAL", "EILSEQ", "EFBIG")  # about the key (its name, its size)
+
+    def failing(target, *_args):
+        raise OSError(error, os.strerror(error), str(target))
+
+    monkeypatch.setattr(local_module, "write_atomically", failing)
+    monkeypatch.setattr(local_module, "write_atomically_from", failing)
+    store = LocalStore()
+    key = str(tmp_path / "dest" / "f.bin")
+    upload_id = store.create_multipart("", key)
+    for write in (lambda: store.put_bytes("", key, b"x", md5_of(b"x")),
+                  lambda: store.put_file("", key, file_of(tmp_path, b"x")),
+                  lambda: store.complete_multipart("", key, upload_id, [])):
+        with pytest.raises(StorageError, match=os.strerror(error)) as caught:
+            write()
+        assert caught.value.refusal is refusal
 
 
 def test_the_proxy_refuses_a_wrong_signature(proxy, bucket):
