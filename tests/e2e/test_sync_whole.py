@@ -13,9 +13,11 @@ from tests.e2e.test_sync import (
     CountingProxy,
     Run,
     control,
+    counting_proxy,
     events,
     job_file,
     listing,
+    output_dir,
     read_object,
     reaping,
     sync_env,
@@ -55,6 +57,40 @@ class RefusingProxy(CountingProxy):
 def run_until_exit(args, env, tmp_path, timeout=90):
     run = Run(args, env, tmp_path)
     return run.wait(timeout), run
+
+
+# --------------------------------------------------------------------------- 1: a store that answers 200 and failed
+
+
+WRITES_TWO = """
+import os
+out = os.environ["out"]
+open(os.path.join(out, "model.pt"), "wb").write(os.urandom(6 << 20))
+open(os.path.join(out, "config.json"), "w").write("{}")
+"""
+
+
+@pytest.mark.parametrize("fault, methods, marker, unless", [
+    ("error-200", ("POST",), "uploadId=", None),  # CompleteMultipartUpload: 200 with <Error> inside
+    ("no-etag", ("PUT",), "", "uploadId="),  # a whole-object PUT: 200 without an ETag, not stored
+], ids=["complete answered 200 with an error", "put answered 200 without an etag"])
+def test_an_upload_the_store_did_not_confirm_is_sent_again_and_never_recorded(obs_endpoint, job_env, tmp_path,
+                                                                             fault, methods, marker, unless):
+    bucket = obs_endpoint.new_bucket()
+    with counting_proxy(obs_endpoint) as proxy:
+        proxy.arm(fault, 1, methods, marker=marker, unless=unless)
+        env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url)
+        job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
+
+        code, run = run_until_exit(["--config", job, sys.executable, "-c", WRITES_TWO], env, tmp_path)
+
+        assert proxy.spoiled == 1
+    assert code == 0, run.stderr[-3000:]
+    local = output_dir(env, "out")
+    for name in ("model.pt", "config.json"):
+        assert read_object(obs_endpoint.s3, bucket, f"run/{name}") == (local / name).read_bytes(), name
+    assert not events(run.stderr, "final sync incomplete")
+    wait_until_gone(env)
 
 
 # --------------------------------------------------------------------------- 4: one refused name
