@@ -524,10 +524,13 @@ def _launch(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context:
         if watch is not None:
             base_env.update(watch.env(base_env))
         follower = _follow_rank_logs(launcher.rank_logs(plan), context, extra)
+        if context.uploader is not None and attempt.number > 1:
+            context.uploader.stopping(None)  # the last attempt's stop is over: this one's files are its own
         workers = _spawn_all(plan, base_env, context, attempt, opened, extra)
         return Supervisor(workers if len(workers) > 1 else workers[0], context.signals, spec.stop_grace_seconds,
                           log, guard=context.guard, forwards=launcher.forwards_to,
-                          hangs=watch.monitor if watch is not None else None).run()
+                          hangs=watch.monitor if watch is not None else None,
+                          on_stop=context.uploader.stopping if context.uploader is not None else None).run()
     finally:
         if watch is not None:
             watch.close()

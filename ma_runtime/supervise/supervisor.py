@@ -106,9 +106,11 @@ class _Stop:
     exits: List[Worker] = dataclasses.field(default_factory=list)  # in the order they exited
     began_at: Optional[float] = None  # time.time() when the workers were first asked to stop
 
-    def begin(self) -> None:
+    def begin(self, on_stop: Optional[Callable[[float], None]]) -> None:
         if self.began_at is None:
             self.began_at = time.time()
+            if on_stop is not None:
+                on_stop(self.began_at)
 
     @property
     def under_way(self) -> bool:
@@ -126,6 +128,7 @@ class Supervisor:
         guard=None,  # a guard.Guard: told the workers' pipes and the tree as it grows
         forwards: Forwards = _forwards_nothing,
         hangs=None,  # a hang.Monitor for this attempt, or None: hang detection off
+        on_stop: Optional[Callable[[float], None]] = None,  # told when the workers are first asked to stop
     ):
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:
@@ -139,6 +142,7 @@ class Supervisor:
         self.guard = guard
         self.forwards = forwards
         self.hangs = hangs
+        self.on_stop = on_stop
         self._me = os.getpid()
         self._next_record = 0.0
         # pid -> start time of every process a stop signal reached (the pid alone could be reused).
@@ -197,7 +201,7 @@ class Supervisor:
             else:
                 self.log.info("stop already under way", signal=SIGNAL_NAMES.get(signum, signum))
             return
-        stop.begin()
+        stop.begin(self.on_stop)
         self._stop_all(signum)
         self.log.info("forwarded signal", signal=SIGNAL_NAMES.get(signum, signum), **self._pids())
         stop.signal, stop.deadline = signum, time.monotonic() + self.grace_seconds
@@ -220,7 +224,7 @@ class Supervisor:
             exit_code=exit_code_of_status(worker.returncode),
             others=len(others),
         )
-        stop.begin()
+        stop.begin(self.on_stop)
         self._stop_all(signal.SIGTERM)
         stop.deadline = time.monotonic() + self.grace_seconds
 
@@ -236,7 +240,7 @@ class Supervisor:
                                      for worker in self._live()})
         stop.hang = hang
         self.log.warning("stopping the hung attempt", grace_seconds=self.grace_seconds)
-        stop.begin()
+        stop.begin(self.on_stop)
         self._stop_all(signal.SIGTERM)
         stop.deadline = time.monotonic() + self.grace_seconds
 

@@ -172,6 +172,19 @@ class Uploader:
         except (ValueError, KeyError, TypeError):
             return FinalResult(answered=False, error=f"the upload process answered {answer[:200]!r}"), None
 
+    def stopping(self, since: Optional[float]) -> None:
+        """Tells the uploader that the workers are being stopped (since `since`, time.time()): from now on a file
+        they were writing must not replace what the store has; None: a new attempt's workers start. Best
+        effort: a dead uploader is told nothing, and the final sync carries the same time."""
+        with self.lock:
+            channel = self.channel
+        if channel is None:
+            return
+        try:
+            channel.sendall((json.dumps({"stopping": since}) + "\n").encode(), socket.MSG_NOSIGNAL)
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Closes its channel (it exits at once), and kills it if it has not within EXIT_WAIT_SECONDS."""
         with self.lock:

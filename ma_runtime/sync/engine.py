@@ -112,6 +112,10 @@ class ChannelSync:
         self.refused: Dict[str, tuple] = {}  # set aside: the store refused this version of the file
         self.published: Dict[str, str] = {}  # a marker in the store -> the folder it was published for
         self.listed: Set[str] = set()  # the keys the start-up listing found
+        # When the workers began to be stopped (time.time()), told by the runtime: the periodic cycles of the
+        # stop's grace then keep what they were writing from replacing the store's whole versions too.
+        self.stopping_at: Optional[float] = None
+        self.before_stop: Optional[tuple] = None  # (whole, seen) as the last look before the stop left them
         self.listing: Optional[tuple] = None  # (done, answer) of the start-up listing, until it is applied
         self.walk_cpu = 0.0  # CPU seconds of the last cycle's walk of the folder
         self.skipped = Skipped(log.warning)
@@ -235,20 +239,37 @@ class ChannelSync:
 
     def _ready(self, entries: Dict[str, Entry], final: bool,
                stopped_at: Optional[float]) -> Tuple[List[str], List[str]]:
-        """(the changed files to upload now, those held because they were being written at the stop)."""
+        """(the changed files to upload now, those held because they were being written when the workers were
+        stopped)."""
+        if self.target.is_log:
+            return list(entries), []
+        # At a final sync every writer is gone: a file is as whole as it will ever be.
+        ready = list(entries) if final else self._whole_now(entries)
+        stop = stopped_at if final else self.stopping_at
+        if stop is None:
+            self.before_stop = None
+            return ready, []
+        return self._not_replacing_after(stop, entries, ready, warn=final)
+
+    def _whole_now(self, entries: Dict[str, Entry]) -> List[str]:
+        """The changed files whole at this look: closed by their writer, or the same at two looks. A file
+        rewritten in place over an object we uploaded (same inode) needs the two looks even when closed: a
+        writer that died mid-write left it closed and torn; one with a new inode was renamed into place."""
         changed = list(entries)
-        if self.target.is_log or (final and stopped_at is None):
-            return changed, []
-        if final:
-            return self._ready_after_stop(entries, stopped_at)
         unsettled = [relative for relative in changed if self.seen.get(relative) != entries[relative].identity]
-        closed = self._closed(entries, unsettled)
+        closed = self._closed(entries, [relative for relative in unsettled
+                                        if not self._rewritten_in_place(relative, entries[relative])])
         ready = [relative for relative in changed if self.seen.get(relative) == entries[relative].identity
                  or relative in closed]
-        self.seen = {relative: entries[relative].identity for relative in changed}
-        self.whole = {relative: identity for relative, identity in self.whole.items() if relative in entries}
-        self.whole.update((relative, entries[relative].identity) for relative in ready)
-        return ready, []
+        if self.before_stop is None:  # the looks before a stop are what a stop is judged by: kept as they were
+            self.seen = {relative: entries[relative].identity for relative in changed}
+            self.whole = {relative: identity for relative, identity in self.whole.items() if relative in entries}
+            self.whole.update((relative, entries[relative].identity) for relative in ready)
+        return ready
+
+    def _rewritten_in_place(self, relative: str, entry: Entry) -> bool:
+        record = self.manifest.get(relative)
+        return record is not None and record.identity[2] == entry.ino
 
     def _closed(self, entries: Dict[str, Entry], relatives: List[str]) -> Set[str]:
         """Those of `relatives` no process holds open for writing (none, when that cannot be told)."""
@@ -259,23 +280,26 @@ class ChannelSync:
             return set()
         return {relative for relative in relatives if entries[relative].ino not in writing}
 
-    def _ready_after_stop(self, entries: Dict[str, Entry], stopped_at: float) -> Tuple[List[str], List[str]]:
-        """After the workers were stopped: a file that would replace an object goes up only if a look before the
-        stop found it whole and it has not changed since; a new file goes up (it replaces nothing)."""
-        stop_ns = int(stopped_at * 1e9)
-        ready, at_stop = [], []
-        for relative, entry in entries.items():
+    def _not_replacing_after(self, stop: float, entries: Dict[str, Entry], ready: List[str],
+                             warn: bool) -> Tuple[List[str], List[str]]:
+        """Once the workers are being stopped (since `stop`, time.time()): a file that would replace an object
+        goes up only if a look before the stop found it whole and it has not changed since; a new file replaces
+        nothing and goes as usual."""
+        if self.before_stop is None:
+            self.before_stop = (dict(self.whole), dict(self.seen))
+        whole, seen = self.before_stop
+        stop_ns = int(stop * 1e9)
+        kept, at_stop = [], []
+        for relative in ready:
+            entry = entries[relative]
             replaces = self.manifest.get(relative) is not None or self.key_of(relative) in self.listed
-            settled = entry.identity in (self.whole.get(relative), self.seen.get(relative))
-            if not replaces or (settled and entry.mtime_ns < stop_ns):
-                ready.append(relative)
-            else:
-                at_stop.append(relative)
-        if at_stop:
+            settled = entry.identity in (whole.get(relative), seen.get(relative)) and entry.mtime_ns < stop_ns
+            (kept if not replaces or settled else at_stop).append(relative)
+        if at_stop and warn:
             self.log.warning("files being written when the workers were stopped are not synced: the store keeps "
                              "their last whole version", name=self.target.name, files=len(at_stop),
                              first=", ".join(sorted(at_stop)[:3]))
-        return ready, at_stop
+        return kept, at_stop
 
     def _missing(self, run: "_Run") -> List[str]:
         """What a final sync did not upload, each with why when that is known. A log with an earlier copy in the

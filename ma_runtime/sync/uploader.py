@@ -13,6 +13,8 @@ garble the protocol.
 Protocol on the channel, one JSON document per line:
 - to it, first line: `{"flags": {...}, "config_file": ...}`: it loads the same JobSpec as the runtime (same
   environment, same job file, same flags), so nothing about the job travels on a command line or in a file;
+- to it, when the workers are being stopped: `{"stopping": <time.time()>}` (no answer): from then on a file
+  that would replace an object goes up only if a look before the stop found it whole;
 - to it, then: `{"final": <deadline>, "scope": "all" | "logs", "stopped_at": <time.time() or null>}`: the
   periodic cycles stop and one final
   sync runs until the deadline (a `time.monotonic()` value: CLOCK_MONOTONIC is the machine's clock, not the
@@ -97,9 +99,10 @@ def _serve(config: dict, lines) -> None:
         pass
     commands: queue.Queue = queue.Queue()
     final_asked = threading.Event()
-    threading.Thread(target=_read_commands, args=(lines, commands, final_asked), name="commands",
+    syncs = _channel_syncs(spec, log)
+    threading.Thread(target=_read_commands, args=(lines, commands, final_asked, syncs), name="commands",
                      daemon=True).start()
-    Uploads(_channel_syncs(spec, log), spec, log).serve(commands, final_asked)
+    Uploads(syncs, spec, log).serve(commands, final_asked)
 
 
 def _channel_syncs(spec, log) -> list:
@@ -133,10 +136,16 @@ def _lines(fd: int):
         buffered += chunk
 
 
-def _read_commands(lines, commands: "queue.Queue[dict]", final_asked: threading.Event) -> None:
+def _read_commands(lines, commands: "queue.Queue[dict]", final_asked: threading.Event, syncs: list) -> None:
     for line in lines:
+        command = json.loads(line)
+        if "stopping" in command:  # the workers are being stopped: what they write now replaces nothing
+            since = command["stopping"]
+            for sync in syncs:
+                sync.stopping_at = None if since is None else float(since)  # None: a new attempt starts
+            continue
         final_asked.set()  # before the queue: the cycle under way stops taking files
-        commands.put(json.loads(line))
+        commands.put(command)
     os._exit(0)  # the runtime is gone or done with us: nothing may outlive it
 
 

@@ -45,6 +45,13 @@ class Refusing(Recording):
         return self.inner.create_multipart(bucket, key)
 
 
+def save(path, data, mtime_ns=10**18 + 10**9):
+    """An atomic writer's save: a temporary name, then a rename over the old file (another inode)."""
+    temporary = path.with_name(path.name + ".tmp")
+    write(temporary, data, mtime_ns)
+    os.replace(temporary, path)
+
+
 def hf_checkpoint(root, step, state=True):
     folder = root / f"checkpoint-{step}"
     write(folder / "model.safetensors", b"model %d" % step)
@@ -117,7 +124,7 @@ def test_a_reused_marker_is_withdrawn_before_its_unit_changes_and_published_afte
     assert channel.uploaded() == {"ckpt/shard0": b"step1-0", "ckpt/shard1": b"step1-1", "ckpt/ckpt.done": b"1"}
 
     (ckpt / "ckpt.done").unlink()  # step 2: the job withdraws its marker, then rewrites the shards one by one
-    write(ckpt / "shard0", b"step2-0", mtime_ns=10**18 + 10**9)
+    save(ckpt / "shard0", b"step2-0")
     with open(ckpt / "shard1", "wb") as writer:
         writer.write(b"step2-")
         writer.flush()
@@ -127,6 +134,8 @@ def test_a_reused_marker_is_withdrawn_before_its_unit_changes_and_published_afte
         assert "ckpt/ckpt.done" not in seen  # never a marker beside step 2's shard0 and step 1's shard1
         writer.write(b"1")
     write(ckpt / "ckpt.done", b"2", mtime_ns=10**18 + 2 * 10**9)
+    channel.cycle()  # shard1 was rewritten in place over its object: closed is not enough, it needs two looks
+    assert "ckpt/ckpt.done" not in channel.uploaded()
     channel.cycle()
 
     assert channel.uploaded() == {"ckpt/shard0": b"step2-0", "ckpt/shard1": b"step2-1", "ckpt/ckpt.done": b"2"}
@@ -141,7 +150,7 @@ def test_a_marker_left_in_place_is_withdrawn_too_while_its_files_change_then_pub
     channel.cycle()
     channel.store.deleted.clear()
 
-    write(channel.root / "ckpt" / "shard0", b"two", mtime_ns=10**18 + 10**9)
+    save(channel.root / "ckpt" / "shard0", b"two")
     channel.cycle()
 
     assert channel.store.deleted == [str(channel.dest / "ckpt" / "x.done")]
@@ -155,12 +164,44 @@ def test_a_marker_is_withdrawn_even_with_delete_false_and_nothing_else_is_delete
     write(channel.root / "other" / "kept.bin", b"kept")
     channel.cycle()
     (channel.root / "other" / "kept.bin").unlink()
-    write(channel.root / "ckpt" / "shard0", b"two", mtime_ns=10**18 + 10**9)
+    save(channel.root / "ckpt" / "shard0", b"two")
 
     channel.cycle()
 
     assert channel.store.deleted == [str(channel.dest / "ckpt" / "x.done")]
     assert "other/kept.bin" in channel.uploaded()
+
+
+def test_a_closed_file_rewritten_in_place_over_its_object_waits_for_two_looks(tmp_path):
+    """A writer that died mid-write left the file closed and torn: closed is not enough over an object we
+    uploaded, when the inode is the same (a rename into place gives another)."""
+    channel = Channel(tmp_path)
+    path = write(channel.root / "model.pt", b"good")
+    channel.cycle()
+    with open(path, "r+b") as writer:
+        writer.write(b"TO")  # torn, then closed
+    os.utime(path, ns=(10**18 + 10**9, 10**18 + 10**9))
+
+    assert channel.cycle().files == 0
+    assert channel.uploaded() == {"model.pt": b"good"}
+    assert channel.cycle().files == 1  # two looks agree
+
+
+def test_during_a_stop_the_periodic_cycles_replace_nothing_with_what_the_workers_were_writing(tmp_path):
+    channel = Channel(tmp_path)
+    path = write(channel.root / "model.pt", b"good")
+    channel.cycle()
+    channel.sync.stopping_at = time.time()  # the runtime said the workers are being stopped
+    save(path, b"torn by the stop", mtime_ns=time.time_ns())
+    write(channel.root / "emergency.pt", b"new")
+
+    channel.cycle()
+    channel.cycle()
+
+    assert channel.uploaded() == {"model.pt": b"good", "emergency.pt": b"new"}
+    channel.sync.stopping_at = None  # a new attempt
+    channel.cycle()
+    assert channel.uploaded()["model.pt"] == b"torn by the stop"  # the new attempt's files are its own
 
 
 # --------------------------------------------------------------------------- 6: the frameworks' layouts
