@@ -38,6 +38,7 @@ The records (the manifest, the multipart uploads') are an optimisation: when the
 them (full, read-only) the sync goes on with them in memory, and says so once.
 """
 
+import collections
 import dataclasses
 import os
 import stat
@@ -45,7 +46,7 @@ import threading
 import time
 from concurrent.futures import ALL_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from ma_runtime.storage import url as url_module
 from ma_runtime.storage.base import FileChanged, StorageError
@@ -116,6 +117,7 @@ class ChannelSync:
         # stop's grace then keep what they were writing from replacing the store's whole versions too.
         self.stopping_at: Optional[float] = None
         self.before_stop: Optional[tuple] = None  # (whole, seen) as the last look before the stop left them
+        self.looks: Deque[tuple] = collections.deque(maxlen=2)  # (started, whole, seen) of the last looks
         self.listing: Optional[tuple] = None  # (done, answer) of the start-up listing, until it is applied
         self.walk_cpu = 0.0  # CPU seconds of the last cycle's walk of the folder
         self.skipped = Skipped(log.warning)
@@ -205,7 +207,7 @@ class ChannelSync:
               stop: Optional[threading.Event] = None, stopped_at: Optional[float] = None) -> Result:
         """`stopped_at` (a final sync only): the time (time.time()) the workers were asked to stop, when they
         were; None when the command ended by itself."""
-        started = time.monotonic()
+        started, look = time.monotonic(), time.time()
         if final:
             self._listed_by(deadline)
         # The cycle's own stop (a failure ends this cycle), which the caller's (the final sync asked for) also sets.
@@ -216,7 +218,7 @@ class ChannelSync:
         self.walk_cpu = time.thread_time() - walk_started
         entries = {relative: entry for relative, entry in entries.items()
                    if (only is None or only(relative)) and not self.units.excluded(relative)}
-        ready, at_stop = self._ready(entries, final, stopped_at)
+        ready, at_stop = self._ready(entries, final, stopped_at, look)
         set_aside = {relative for relative in ready if self.refused.get(relative) == entries[relative].identity}
         result = Result()
         run = _Run(self, entries, result, deadline, stop, final)
@@ -237,21 +239,25 @@ class ChannelSync:
         self._report(result, final, whole=only is None)
         return result
 
-    def _ready(self, entries: Dict[str, Entry], final: bool,
-               stopped_at: Optional[float]) -> Tuple[List[str], List[str]]:
+    def _ready(self, entries: Dict[str, Entry], final: bool, stopped_at: Optional[float],
+               look: float) -> Tuple[List[str], List[str]]:
         """(the changed files to upload now, those held because they were being written when the workers were
-        stopped)."""
+        stopped). `look`: when this look began (time.time())."""
         if self.target.is_log:
             return list(entries), []
-        # At a final sync every writer is gone: a file is as whole as it will ever be.
-        ready = list(entries) if final else self._whole_now(entries)
         stop = stopped_at if final else self.stopping_at
         if stop is None:
             self.before_stop = None
+        elif self.before_stop is None:  # what the looks that began before the stop found, and nothing later
+            self.before_stop = next(((whole, seen) for started, whole, seen in reversed(self.looks)
+                                     if started < stop), ({}, {}))
+        # At a final sync every writer is gone: a file is as whole as it will ever be.
+        ready = list(entries) if final else self._whole_now(entries, look)
+        if stop is None:
             return ready, []
         return self._not_replacing_after(stop, entries, ready, warn=final)
 
-    def _whole_now(self, entries: Dict[str, Entry]) -> List[str]:
+    def _whole_now(self, entries: Dict[str, Entry], look: float) -> List[str]:
         """The changed files whole at this look: closed by their writer, or the same at two looks. A file
         rewritten in place over an object we uploaded (same inode) needs the two looks even when closed: a
         writer that died mid-write left it closed and torn; one with a new inode was renamed into place."""
@@ -261,10 +267,10 @@ class ChannelSync:
                                         if not self._rewritten_in_place(relative, entries[relative])])
         ready = [relative for relative in changed if self.seen.get(relative) == entries[relative].identity
                  or relative in closed]
-        if self.before_stop is None:  # the looks before a stop are what a stop is judged by: kept as they were
-            self.seen = {relative: entries[relative].identity for relative in changed}
-            self.whole = {relative: identity for relative, identity in self.whole.items() if relative in entries}
-            self.whole.update((relative, entries[relative].identity) for relative in ready)
+        self.seen = {relative: entries[relative].identity for relative in changed}
+        self.whole = {relative: identity for relative, identity in self.whole.items() if relative in entries}
+        self.whole.update((relative, entries[relative].identity) for relative in ready)
+        self.looks.append((look, self.whole, self.seen))
         return ready
 
     def _rewritten_in_place(self, relative: str, entry: Entry) -> bool:
@@ -285,8 +291,6 @@ class ChannelSync:
         """Once the workers are being stopped (since `stop`, time.time()): a file that would replace an object
         goes up only if a look before the stop found it whole and it has not changed since; a new file replaces
         nothing and goes as usual."""
-        if self.before_stop is None:
-            self.before_stop = (dict(self.whole), dict(self.seen))
         whole, seen = self.before_stop
         stop_ns = int(stop * 1e9)
         kept, at_stop = [], []

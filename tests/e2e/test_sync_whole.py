@@ -200,7 +200,10 @@ def judge_marker(s3, bucket):
 
 
 REWRITES_IN_PLACE = """
-import os, time
+import os, subprocess, sys, time
+# A second process that ignores SIGTERM for a while: the stop's grace lasts, and the periodic cycles go on.
+subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "time.sleep(4)"])
 path = os.path.join(os.environ["out"], "model.pt")
 with open(path, "wb") as f:
     f.write(os.urandom(1 << 20))
