@@ -119,6 +119,9 @@ class ChannelSync:
         self.before_stop: Optional[tuple] = None  # (whole, seen) as the last look before the stop left them
         self.looks: Deque[tuple] = collections.deque(maxlen=2)  # (started, whole, seen) of the last looks
         self.listing: Optional[tuple] = None  # (done, answer) of the start-up listing, until it is applied
+        # The markers the manifest records (in the store), found once: a cycle with changes asks for them, and a
+        # walk of a 100 000-file manifest through the marker patterns would cost it most of a second.
+        self._recorded_markers: Optional[Set[str]] = None
         self.walk_cpu = 0.0  # CPU seconds of the last cycle's walk of the folder
         self.skipped = Skipped(log.warning)
         self.warned: Set[Tuple[str, str]] = set()  # (event, path): warnings already given
@@ -169,6 +172,7 @@ class ChannelSync:
             listed = answer["value"]
             self.listed = set(listed)
             forgotten = self.manifest.keep_listed({key: info.etag for key, info in listed.items()}, self.key_of)
+            self._recorded_markers = None
             if forgotten:
                 self.log.info("objects missing or replaced in the store will be uploaded again", name=self.target.name,
                               files=forgotten)
@@ -196,6 +200,7 @@ class ChannelSync:
                 continue
             if md5 == info.md5:
                 self.manifest.put(relative, Record(entry.identity, md5, info.etag))
+        self._recorded_markers = None
         self._save_manifest()
 
     def key_of(self, relative: str) -> str:
@@ -343,7 +348,9 @@ class ChannelSync:
         before they do; returns those withdrawn, or None when the store failed (the cycle ends: nothing of those
         units goes up)."""
         withdrawn = []
-        for marker in [m for m in self.manifest.relatives() if self.is_marker(m)]:
+        if self._recorded_markers is None:
+            self._recorded_markers = {relative for relative in self.manifest.relatives() if self.is_marker(relative)}
+        for marker in sorted(self._recorded_markers):
             unit = self.published.get(marker)
             if unit is None:
                 present = os.path.lexists(os.path.join(self.target.root, marker))
@@ -357,6 +364,7 @@ class ChannelSync:
                 return None
             with self.lock:
                 self.manifest.drop(marker)
+                self._recorded_markers.discard(marker)
                 self.published.pop(marker, None)
             withdrawn.append(marker)
             self.log.info("marker withdrawn while its checkpoint changes", name=self.target.name, path=marker)
@@ -468,6 +476,8 @@ class ChannelSync:
     def _record(self, relative: str, record: Record) -> None:
         with self.lock:
             self.manifest.put(relative, record)
+            if self._recorded_markers is not None and self.is_marker(relative):
+                self._recorded_markers.add(relative)
             self._save_manifest(force=False)
 
     def _save_manifest(self, force: bool = True) -> None:
@@ -493,6 +503,8 @@ class ChannelSync:
                 return
             with self.lock:
                 self.manifest.drop(relative)
+                if self._recorded_markers is not None:
+                    self._recorded_markers.discard(relative)
             self.log.info("deleted from the store: removed locally", name=self.target.name, path=relative)
 
     @property

@@ -76,6 +76,12 @@ def matches(relative: str, pattern: str) -> bool:
     return all(fnmatch.fnmatchcase(part, glob) for part, glob in zip(parts[-len(wanted):], wanted))
 
 
+def _any_of(globs: Iterable[str]) -> "re.Pattern[str]":
+    """One pattern that matches a name any of `globs` matches (fnmatchcase's rules)."""
+    translated = [fnmatch.translate(glob) for glob in globs]
+    return re.compile("|".join(f"(?:{pattern})" for pattern in translated) if translated else r"(?!)")
+
+
 def folder_of(relative: str) -> str:
     """'' for the top of the channel."""
     return relative.rpartition("/")[0]
@@ -89,13 +95,19 @@ class Units:
     def __init__(self, markers: Sequence[str] = DEFAULT_MARKERS, excludes: Sequence[str] = DEFAULT_EXCLUDES):
         self.markers = tuple(markers)
         self.excludes = tuple(excludes)
+        # Every changed file of a cycle is asked about: one compiled pattern, not a glob at a time.
+        self._marker_names = _any_of(pattern.rstrip("/").rpartition("/")[2] for pattern in self.markers)
+        self._excluded_name = _any_of(self.excludes)
 
     def is_marker(self, relative: str) -> bool:
+        name = relative.rpartition("/")[2]
+        if not self._marker_names.match(name):  # no pattern's last part: not a marker (most files)
+            return False
         return any(matches(relative, pattern) for pattern in self.markers)
 
     def excluded(self, relative: str) -> bool:
         """A writer's scratch file, or a file under a scratch folder."""
-        return any(fnmatch.fnmatchcase(part, glob) for part in relative.split("/") for glob in self.excludes)
+        return any(self._excluded_name.match(part) for part in relative.split("/"))
 
     def pointer_kind(self, relative: str) -> Optional[str]:
         name = relative.rpartition("/")[2]
