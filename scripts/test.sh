@@ -74,6 +74,9 @@ setup python3 .venv
 # The resume test runs the real Hugging Face Trainer (tests/e2e/test_resume.py), which needs accelerate; pinned,
 # as CI runs it, with filelock held below 3.21 as this machine requires.
 .venv/bin/python -m pip install --quiet transformers==5.24.0 accelerate==1.15.0 'filelock<3.21'
+# PyTorch Lightning's last.ckpt, saved by its atomic writer faster than a sync cycle, reaches the store while it
+# trains (tests/e2e/test_sync_whole.py); pinned like the rest.
+.venv/bin/python -m pip install --quiet lightning==2.6.6
 .venv/bin/python -m pip install --quiet mpi4py || echo "mpi4py not installed: the mpirun tests will skip" >&2
 if [ ! -x .venv-ms/bin/msrun ]; then
   python3 -m venv .venv-ms
