@@ -340,3 +340,60 @@ def test_lightnings_last_checkpoint_saved_faster_than_the_cycle_reaches_the_stor
     assert final["global_step"] == 40
     assert not [key for key in listing(obs_endpoint.s3, bucket, "run/") if ".tmp" in key]
     wait_until_gone(env)
+
+
+# --------------------------------------------------------------------------- 6: Hugging Face checkpoint folders
+
+
+HF_TRAINER = """
+import os, time, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+class Tokens(torch.utils.data.Dataset):
+    ids = torch.randint(0, 64, (48, 16), generator=torch.Generator().manual_seed(0))
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+class Slow(TrainerCallback):  # steps that take a while, so the sync's cycles see the folders as they are saved
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.3)
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=32))
+arguments = TrainingArguments(output_dir=os.environ["out"], max_steps=12, save_steps=1, per_device_train_batch_size=4,
+                              use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=100)
+Trainer(model=model, args=arguments, train_dataset=Tokens(), callbacks=[Slow()]).train()
+print("trained", flush=True)
+"""
+
+
+def test_a_hugging_face_checkpoint_folder_is_never_in_the_bucket_with_its_state_but_not_all_its_files(
+        obs_endpoint, job_env, tmp_path):
+    pytest.importorskip("transformers", reason="the Trainer is installed by scripts/test.sh")
+    pytest.importorskip("accelerate", reason="the Trainer is installed by scripts/test.sh")
+    bucket = obs_endpoint.new_bucket()
+    env = sync_env(job_env, tmp_path, obs_endpoint, MA_RUNTIME_SYNC_INTERVAL_SECONDS=0.3)
+    job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
+    run = Run(["--config", job, sys.executable, "-c", HF_TRAINER], env, tmp_path)
+    complete_while_training = set()
+    deadline = time.monotonic() + 120
+    while run.running():
+        assert time.monotonic() < deadline, run.stderr[-3000:]
+        found = listing(obs_endpoint.s3, bucket, "run/")
+        for key in [key for key in found if key.endswith("/trainer_state.json")]:
+            folder = key.rpartition("/")[0]
+            files = {name.rpartition("/")[2] for name in found if name.startswith(folder + "/")}
+            assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "config.json"} <= files, (folder, files)
+            complete_while_training.add(folder)
+        time.sleep(0.05)
+
+    assert run.wait() == 0, run.stderr[-3000:]
+    assert complete_while_training, "no checkpoint folder was complete in the bucket while the Trainer ran"
+    local = output_dir(env, "out")
+    found = listing(obs_endpoint.s3, bucket, "run/")
+    for folder in sorted(path for path in local.iterdir() if path.name.startswith("checkpoint-")):
+        assert {f"{folder.name}/{file.name}" for file in folder.iterdir()} <= set(found), folder.name
+    assert not [key for key in found if ".tmp" in key]
+    wait_until_gone(env)
