@@ -416,3 +416,25 @@ def test_a_hard_link_to_a_file_outside_the_folder_is_refused_like_a_symbolic_lin
     reasons = {field["path"]: field["reason"] for field in log.fields("sync skipped a file")}
     assert reasons == {str(root / "hard.bin"): "a hard link to a file outside the folder is not followed",
                        str(root / "soft.bin"): "a symbolic link to outside the folder is not followed"}
+
+
+def test_a_read_only_state_folder_keeps_the_records_in_memory_too(tmp_path, tmpfs):
+    import subprocess
+
+    state = tmpfs("state", "1m")
+    remounted = subprocess.run(["mount", "-o", "remount,ro", str(state)], capture_output=True)
+    if remounted.returncode != 0:
+        pytest.skip(f"cannot remount read-only: {remounted.stderr.decode().strip()}")
+    channel = Channel(tmp_path)
+    channel.state = state
+    channel.sync = channel.restarted()
+    write(channel.root / "big.bin", random_bytes(LARGE))
+    write(channel.root / "small.txt", b"small")
+
+    result = channel.cycle()
+
+    assert (result.files, result.error) == (2, None)
+    assert set(channel.uploaded()) == {"big.bin", "small.txt"}
+    said = channel.log.fields("the sync manifest cannot be written: kept in memory (a later runtime uploads these "
+                              "files again)")
+    assert len(said) == 1 and "Read-only file system" in said[0]["error"]
