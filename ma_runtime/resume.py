@@ -75,7 +75,8 @@ def newest(folders: Sequence[Path], units: units_module.Units, log=None) -> Opti
 def complete(root: Path, units: units_module.Units, log=None) -> List[units_module.Unit]:
     """The complete units of `root` that no torn save holds, oldest marker first."""
     files = _files(root, units, log)
-    torn = units_module.incomplete_unit_folders(files, units, lambda relative: _read(root, relative))
+    torn = units_module.incomplete_unit_folders(files, units,
+                                                lambda relative: units_module.read_marker(str(root), relative))
     return [unit for unit in units_module.complete_units(str(root), units, files)
             if not any(unit.folder == folder or units_module.under(unit.folder, folder) for folder in torn)]
 
@@ -95,14 +96,6 @@ def _files(root: Path, units: units_module.Units, log=None) -> List[str]:
         names[:] = [name for name in names if not units.excluded(name)]
         found.extend(prefix + name for name in files)
     return found
-
-
-def _read(root: Path, relative: str) -> Optional[bytes]:
-    try:
-        with open(root / relative, "rb") as source:
-            return source.read(units_module.POINTER_LIMIT)
-    except OSError:
-        return None
 
 
 def _depth(folder: str) -> int:

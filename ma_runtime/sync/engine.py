@@ -325,16 +325,7 @@ class ChannelSync:
 
     def unit_of(self, marker: str) -> str:
         """The folder `marker` completes, by its content now (a pointer's) or its place."""
-        root = str(self.target.root)
-
-        def read(relative: str) -> Optional[bytes]:
-            try:
-                with open(os.path.join(root, relative), "rb") as source:
-                    return source.read(4096)
-            except OSError:
-                return None
-
-        return self.units.unit_of(marker, read, lambda relative: os.path.isdir(os.path.join(root, relative)))
+        return self.units.unit_in(str(self.target.root), marker)
 
     def warn_once(self, event: str, path: str, **fields) -> None:
         if (event, path) not in self.warned:
@@ -550,7 +541,7 @@ class _Run:
         self.lock = threading.Lock()
 
     def all(self, ready: List[str]) -> None:
-        markers = sorted((r for r in ready if self.sync.is_marker(r)), key=lambda r: -r.count("/"))
+        markers = [r for r in ready if self.sync.is_marker(r)]
         plain = [r for r in ready if not self.sync.is_marker(r)]
         self.pending.update(ready)
         withdrawn = self.sync.withdraw_markers(plain, self) if plain else []
@@ -565,7 +556,7 @@ class _Run:
                 self.entries[marker] = entry
                 markers.append(marker)
                 self.pending.add(marker)
-        markers.sort(key=lambda r: -r.count("/"))
+        markers.sort(key=lambda r: -r.count("/"))  # deepest first
         small = sorted((r for r in plain if self.entries[r].size < SMALL_LIMIT), key=lambda r: self.entries[r].size)
         large = [r for r in plain if self.entries[r].size >= SMALL_LIMIT]
         self.units = {marker: self.sync.unit_of(marker) for marker in markers}

@@ -127,6 +127,21 @@ class Units:
         candidate = f"{own}/{named}" if own else named
         return candidate if exists(candidate) else own
 
+    def unit_in(self, root: str, marker: str) -> str:
+        """unit_of for a marker in the local folder `root`, by its content there."""
+        return self.unit_of(marker, lambda relative: read_marker(root, relative),
+                            lambda relative: os.path.isdir(os.path.join(root, relative)))
+
+
+def read_marker(root: str, relative: str) -> Optional[bytes]:
+    """The first POINTER_LIMIT bytes of the file `relative` under `root` (a pointer's content); None when it cannot
+    be read."""
+    try:
+        with open(os.path.join(root, relative), "rb") as source:
+            return source.read(POINTER_LIMIT)
+    except OSError:
+        return None
+
 
 def pointed_folder(kind: str, content: Optional[bytes]) -> Optional[str]:
     """The folder name a pointer marker's content names, or None."""
@@ -153,17 +168,6 @@ class Unit(NamedTuple):
 def complete_units(root: str, units: Units, relatives: Iterable[str]) -> List[Unit]:
     """The complete units among `relatives` (the files of the folder `root`), oldest marker first."""
     found: List[Unit] = []
-
-    def read(relative: str) -> Optional[bytes]:
-        try:
-            with open(os.path.join(root, relative), "rb") as source:
-                return source.read(POINTER_LIMIT)
-        except OSError:
-            return None
-
-    def exists(relative: str) -> bool:
-        return os.path.isdir(os.path.join(root, relative))
-
     for relative in relatives:
         if not units.is_marker(relative) or units.excluded(relative):
             continue
@@ -171,7 +175,7 @@ def complete_units(root: str, units: Units, relatives: Iterable[str]) -> List[Un
             mtime_ns = os.stat(os.path.join(root, relative)).st_mtime_ns
         except OSError:
             continue
-        found.append(Unit(units.unit_of(relative, read, exists), relative, mtime_ns))
+        found.append(Unit(units.unit_in(root, relative), relative, mtime_ns))
     return sorted(found, key=lambda unit: (unit.mtime_ns, unit.folder))
 
 

@@ -1079,6 +1079,18 @@ def test_sync_markers_replace_the_defaults_or_extend_them_with_a_leading_plus(tm
     assert extended.sync_markers == (*units.DEFAULT_MARKERS, "step.ok")
 
 
+@pytest.mark.parametrize("name, value, says", [
+    ("MA_RUNTIME_SYNC_EXCLUDE", "ckpt/*.bak", "no '/'"),
+    ("MA_RUNTIME_RESUME", "sometimes", "auto"),
+])
+def test_bad_exclude_and_resume_settings_are_refused_in_one_line(tmp_path, name, value, says):
+    with pytest.raises(ConfigError) as caught:
+        load_spec(tmp_path, env={name: value})
+
+    assert caught.value.exit_code == ExitCode.BAD_CONFIGURATION
+    assert name in caught.value.reason and says in caught.value.reason and "\n" not in caught.value.reason
+
+
 def test_sync_exclude_extends_the_writers_temporary_files(tmp_path):
     spec = load_spec(tmp_path, env={"MA_RUNTIME_SYNC_EXCLUDE": "*.bak, scratch"})
 
