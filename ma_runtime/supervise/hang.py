@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ma_runtime.output import Sink
+from ma_runtime.supervise.progress import ProgressSink
 
 PERIODS_PER_WINDOW = 5
 PERIOD_CAP = 60.0
@@ -137,24 +137,6 @@ class Hang:
     def describe(self) -> str:
         where = self.stacks.describe() if self.stacks is not None else ""
         return f"job suspected hung: {self.evidence}" + (f"; {where}" if where else "")
-
-
-class ProgressSink(Sink):
-    """A destination of the workers' output that writes nothing: a line matching the pattern is progress."""
-
-    def __init__(self, pattern: str, on_progress: Callable[[], None]):
-        super().__init__(-1, "progress pattern", console=False)
-        # Lines: a chunk is whole lines, and a progress bar's `\r` ends one too.
-        self.pattern = re.compile(pattern, re.MULTILINE)
-        self.on_progress = on_progress
-
-    @property
-    def broken(self) -> bool:
-        return False
-
-    def write(self, data: bytes) -> None:
-        if self.pattern.search(data.decode("utf-8", "replace").replace("\r", "\n")):
-            self.on_progress()
 
 
 class _Tree:
