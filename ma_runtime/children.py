@@ -70,6 +70,12 @@ def start_service(start: Callable[[], T]) -> T:
     return proc
 
 
+def services() -> List[int]:
+    """The job's services now (an sshd): in their trees, the hang monitor finds the ranks an MPI daemon started."""
+    with LOCK:
+        return sorted(_SERVICES)
+
+
 def adopt_services(exclude: Iterable[int] = ()) -> List[int]:
     """Every descendant of ours now (but `exclude`, helpers and owned tools) becomes a service: called when the
     pre-start hook has exited and before any command runs, so what is left is what the hook started."""

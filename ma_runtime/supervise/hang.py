@@ -36,7 +36,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ma_runtime.supervise.progress import ProgressSink
 
@@ -44,14 +44,21 @@ PERIODS_PER_WINDOW = 5
 PERIOD_CAP = 60.0
 # Checks closer together than this cost CPU without finding anything sooner.
 MIN_WAIT = 0.2
-# A tree using this many cores is working (the platform's all-instance rule: "< 1 CPU core" is a hang).
+# A rank that demands this much of a core (time run plus time waiting to run) over a period is working. A job with
+# accelerators: the platform's rule ("< 1 CPU core" is idle), its devices telling the rest. A CPU-only job, where
+# the CPU is all there is: a tenth of a core, far from both a blocked rank (0.00-0.01 measured, torch's gloo
+# barrier, MindSpore's and Open MPI's waits) and a working one (a busy loop demands 1.0 whatever the load; one
+# that computes 70 ms and sleeps 30 ms, 0.7).
 BUSY_CORES = 1.0
+BUSY_CORES_CPU_ONLY = 0.1
 # Accelerator utilisation that spreads by no more than this (standard deviation, percentage points) over the
 # window is flat; a device above IDLE_PERCENT is busy (its first busy sample is the attempt's first progress).
 FLAT_STDDEV = 2.0
 IDLE_PERCENT = 10.0
 # Fewer samples than this over the window say nothing about flatness (the first period of a short window).
 MIN_SAMPLES = 3
+# Ranks named in the evidence: the termination message's reason is one line.
+NAMED = 8
 
 _Counters = Tuple[int, int, int, int]  # read and write syscalls, read and write characters
 
@@ -126,12 +133,15 @@ class Hang:
     progressed: bool  # the attempt made progress for at least a window before it hung: the hang count starts over
     found_at: float  # time.monotonic()
     stacks: Any = None  # a stacks.Stacks, once taken
+    suspects: List[str] = dataclasses.field(default_factory=list)  # ranks idle throughout while others were busy
 
     @property
     def rank(self) -> Optional[int]:
-        """The one rank in a different place from the others, when the stacks found exactly one."""
+        """The one rank in a different place from the others, when the stacks found exactly one; else the one rank
+        that was idle throughout while the others were busy."""
         odd = getattr(self.stacks, "odd", None) or []
-        match = re.fullmatch(r"rank (\d+)", odd[0]) if len(odd) == 1 else None
+        named = odd if odd else self.suspects
+        match = re.fullmatch(r"rank (\d+)", named[0]) if len(named) == 1 else None
         return int(match[1]) if match else None
 
     def describe(self) -> str:
@@ -139,29 +149,53 @@ class Hang:
         return f"job suspected hung: {self.evidence}" + (f"; {where}" if where else "")
 
 
-class _Tree:
-    """The worker tree's counters at one moment: {(pid, start time): (IO counters, CPU seconds)}."""
+class Reading(NamedTuple):
+    """One process at one look."""
 
-    def __init__(self, members: Callable[[], Sequence[int]]):
+    counters: _Counters
+    cpu: float  # CPU seconds used, every thread
+    unit: int  # the pid of its rank (supervise/ranks.py)
+    demand: Optional[float] = None  # seconds run plus waited to run, every thread (schedstat), where it was read
+
+
+Sample = Dict[Tuple[int, float], Reading]  # {(pid, start time): reading}
+
+
+class Interval(NamedTuple):
+    """What the job did between two looks."""
+
+    io: bool  # a rank's process read or wrote, came or went
+    cores: Dict[int, float]  # {rank: the cores it used or demanded, whichever is more}
+
+
+class _Tree:
+    """The job's processes at each look: their counters, by rank."""
+
+    def __init__(self, members: Callable[[], Mapping[int, Any]]):
         import psutil  # only a job with hang detection on pays its import
 
         self._psutil = psutil
-        self.members = members
+        self.members = members  # () -> {pid: its rank's ranks.Unit}
         self._known: Dict[int, Any] = {}  # pid -> psutil.Process: its start time tells a reused pid apart
+        self.labels: Dict[int, str] = {}  # rank pid -> "rank 3"
 
-    def sample(self) -> Dict[Tuple[int, float], Tuple[_Counters, float]]:
-        sample = {}
+    def sample(self, demand_of: Optional[Collection[int]] = None) -> Sample:
+        """A look; the demand of the processes of the ranks in `demand_of` too (None: every rank's)."""
+        sample: Sample = {}
         known: Dict[int, Any] = {}
-        for pid in self.members():
+        labels: Dict[int, str] = {}
+        for pid, unit in self.members().items():
             try:
                 proc = self._process(pid)
                 io, cpu = proc.io_counters(), proc.cpu_times()
             except self._psutil.Error:
                 continue  # gone (or a zombie) since the walk: the next sample sees the tree without it
             known[pid] = proc
-            sample[pid, proc.create_time()] = ((io.read_count, io.write_count, io.read_chars, io.write_chars),
-                                               cpu.user + cpu.system)
-        self._known = known
+            labels[unit.root] = unit.label
+            demand = _demand(pid) if demand_of is None or unit.root in demand_of else None
+            sample[pid, proc.create_time()] = Reading((io.read_count, io.write_count, io.read_chars, io.write_chars),
+                                                      cpu.user + cpu.system, unit.root, demand)
+        self._known, self.labels = known, labels
         return sample
 
     def _process(self, pid: int):
@@ -171,12 +205,37 @@ class _Tree:
         return proc
 
 
-def activity(before: Mapping, after: Mapping, seconds: float) -> Tuple[bool, float]:
-    """(whether the tree was active between two samples, the cores it used)."""
+def _demand(pid: int) -> Optional[float]:
+    """Seconds every thread of `pid` has run and waited on a run queue (/proc/<pid>/task/*/schedstat): what it asked
+    of the CPUs, which contention does not shrink as it shrinks what it gets. None where the kernel does not say."""
+    total = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/schedstat", "rb") as f:
+                ran, waited = f.read().split()[:2]
+            total += int(ran) + int(waited)
+        except (OSError, ValueError):
+            continue  # a thread that ended since the listing
+    return total / 1e9
+
+
+def activity(before: Sample, after: Sample, seconds: float) -> Interval:
+    """What the job did between two looks `seconds` apart."""
     common = before.keys() & after.keys()
-    cores = sum(max(0.0, after[key][1] - before[key][1]) for key in common) / max(seconds, 1e-6)
-    moved = before.keys() != after.keys() or any(before[key][0] != after[key][0] for key in common)
-    return moved or cores >= BUSY_CORES, cores
+    moved = before.keys() != after.keys() or any(before[key].counters != after[key].counters for key in common)
+    used: Dict[int, float] = {reading.unit: 0.0 for reading in after.values()}
+    asked: Dict[int, float] = dict(used)
+    for key in common:
+        unit = after[key].unit
+        used[unit] += max(0.0, after[key].cpu - before[key].cpu)
+        if before[key].demand is not None and after[key].demand is not None:
+            asked[unit] += max(0.0, after[key].demand - before[key].demand)
+    span = max(seconds, 1e-6)
+    return Interval(moved, {unit: max(used[unit], asked[unit]) / span for unit in used})
 
 
 def flat(samples: Sequence[Mapping[str, Optional[float]]]) -> Optional[Tuple[float, float]]:
@@ -213,8 +272,11 @@ class Monitor:
         self._progress_at: Optional[float] = None  # the last progress signal
         self._first_progress: Optional[float] = None
         self._file_mtime: Optional[float] = self._mtime()  # a file left by an earlier attempt is not progress
-        self._quiet_since = self.started
-        self._cores: Deque[Tuple[float, float]] = collections.deque()  # (time, cores) per interval
+        self._io_at = self.started  # the end of the last period in which a rank did IO
+        self._busy_at: Dict[int, float] = {}  # {rank: the end of its last busy period, or when it was first seen}
+        self._labels: Dict[int, str] = {}  # {rank: "rank 3"}
+        self._busy = BUSY_CORES if config.tool is not None else BUSY_CORES_CPU_ONLY
+        self._cores: Deque[Tuple[float, Dict[int, float]]] = collections.deque()  # (time, {rank: cores}) per period
         self._devices: Deque[Tuple[float, Dict[str, Optional[float]]]] = collections.deque()
         self._faults: Deque[Tuple[float, str]] = collections.deque()  # (time, what the tool said was wrong)
         self._found: Optional[Hang] = None
@@ -223,7 +285,8 @@ class Monitor:
 
     # ------------------------------------------------------------------ the supervision loop's side
 
-    def start(self, members: Callable[[], Sequence[int]], wake: Callable[[], None]) -> None:
+    def start(self, members: Callable[[], Mapping[int, Any]], wake: Callable[[], None]) -> None:
+        """`members`: () -> {pid: its rank's ranks.Unit}, the job's processes (supervise/ranks.py)."""
         tree = _Tree(members)
         self._thread = threading.Thread(target=self._run, args=(tree, wake), name="hang-monitor", daemon=True)
         self._thread.start()
@@ -263,10 +326,10 @@ class Monitor:
 
     def _run(self, tree: _Tree, wake: Callable[[], None]) -> None:
         try:
-            previous, previous_at = tree.sample(), self.clock()
+            previous, previous_at = tree.sample(None), self.clock()
             while not self._stop.wait(self._wait()):
-                current, now = tree.sample(), self.clock()
-                self._found = self.tick(previous, current, now - previous_at, now)
+                current, now = tree.sample(self._not_busy()), self.clock()
+                self._found = self.tick(previous, current, now - previous_at, now, tree.labels)
                 previous, previous_at = current, now
                 if self._found is not None:
                     wake()
@@ -275,11 +338,20 @@ class Monitor:
             self.log.warning("hang detection stopped by an error; the attempt runs on without it",
                              error=f"{type(exc).__name__}: {exc}")
 
-    def tick(self, before: Mapping, after: Mapping, seconds: float, now: float) -> Optional[Hang]:
-        """One period: two samples of the tree `seconds` apart, the devices and the progress file now; the hang,
-        if this is one."""
-        self._observe(before, after, seconds, now)
+    def tick(self, before: Sample, after: Sample, seconds: float, now: float,
+             labels: Optional[Mapping[int, str]] = None) -> Optional[Hang]:
+        """One period: two looks at the job `seconds` apart, the devices and the progress file now; the hang, if this
+        is one. `labels`: {rank pid: "rank 3"}, for the evidence."""
+        if labels is not None:
+            self._labels.update(labels)
+        self._observe(activity(before, after, seconds), now, now - seconds)
         return self._judge(now)
+
+    def _not_busy(self) -> Optional[Collection[int]]:
+        """The ranks whose demand the next look reads: those that used less than a busy rank over the last period
+        (the CPU time they got may be short of what they asked, on a loaded node). A busy one needs no more."""
+        last = self._cores[-1][1] if self._cores else None
+        return None if last is None else {unit for unit, cores in last.items() if cores < self._busy}
 
     def _wait(self) -> float:
         """Until the next period, or sooner when that is when a hang would be declared."""
@@ -289,23 +361,33 @@ class Monitor:
 
     def _deadline(self) -> float:
         since, allowance = self._clock()
-        return since + allowance
+        return float("inf") if since is None else since + allowance
 
-    def _clock(self) -> Tuple[float, float]:
-        """(when the hang clock started, how long it may run): the last progress signal, or the end of the last
-        active interval; the window, or the start-up allowance before the attempt's first progress."""
+    def _clock(self) -> Tuple[Optional[float], float]:
+        """(when the hang clock started, or None while nothing can be judged; how long it may run). The clock: the
+        last progress signal, once there was one; else since when no rank did IO and one rank was idle. The
+        window, or the start-up allowance before the attempt's first progress."""
         allowance = self.config.window if self._first_progress is not None else self.config.startup
-        if self.config.signalled:
-            return (self._progress_at if self._progress_at is not None else self.started), allowance
-        return self._quiet_since, allowance
+        if self.config.signalled and self._progress_at is not None:
+            return self._progress_at, allowance
+        # Before a signal's first beat the metrics decide: CPU use while torch is imported is not a hang.
+        if not self._busy_at:
+            return None, allowance  # no rank to judge (yet): a node whose ranks mpirun has not started
+        return max(self.started, self._io_at, min(self._busy_at.values())), allowance
 
-    def _observe(self, before: Mapping, after: Mapping, seconds: float, now: float) -> None:
-        active, cores = activity(before, after, seconds)
-        if active:
-            self._quiet_since = now
-        self._keep(self._cores, (now, cores))
-        if self.config.tool is None and cores >= BUSY_CORES:
-            self._progressed(now)  # a CPU-only job's first progress: a busy interval
+    def _observe(self, interval: Interval, now: float, looked_before: float) -> None:
+        if interval.io:
+            self._io_at = now
+        for unit, cores in interval.cores.items():
+            if cores >= self._busy:
+                self._busy_at[unit] = now
+            elif unit not in self._busy_at:
+                self._busy_at[unit] = looked_before  # a rank's clock starts at the first look that could see it
+        for gone in set(self._busy_at) - interval.cores.keys():
+            del self._busy_at[gone]
+        self._keep(self._cores, (now, interval.cores))
+        if self.config.tool is None and interval.cores and min(interval.cores.values()) >= self._busy:
+            self._progressed(now)  # a CPU-only job's first progress: every rank busy
         self._sample_devices(now)
         mtime = self._mtime()
         if mtime is not None and mtime != self._file_mtime:
@@ -348,26 +430,50 @@ class Monitor:
 
     def _judge(self, now: float) -> Optional[Hang]:
         since, allowance = self._clock()
-        if now - since < allowance:
+        if since is None or now - since < allowance:
             return None
         start = now - allowance
-        cores = [c for t, c in self._cores if t >= start]
-        busiest = max(cores, default=0.0)
         faults = [fault for t, fault in self._faults if t >= start]
-        if self.config.signalled:
+        if self.config.signalled and self._progress_at is not None:
             evidence = f"no progress signal ({_progress_source(self.config)}) for {allowance:g} s"
-            return self._hang(now, f"{evidence}; {self._metrics(start, busiest)}", faults)
+            return self._hang(now, f"{evidence}; {self._metrics(start)}", faults)
         devices = [sample for t, sample in self._devices if t >= start]
         level = flat(devices) if self.config.tool is not None and devices else (0.0, 0.0)
         if level is None:
             return None  # the devices are still changing: not hung (yet)
-        evidence = f"no IO and at most {busiest:.2f} CPU cores for {allowance:g} s"
+        evidence, suspects = self._quiet(start, allowance)
         if self.config.tool is not None:
             evidence += "; " + (_flat_words(level, len(devices)) if devices else
                                 f"the accelerators could not be read ({faults[-1] if faults else 'no answer'})")
-        return self._hang(now, evidence, faults)
+        if self.config.signalled:
+            evidence = f"no progress signal ({_progress_source(self.config)}) since the start, and {evidence}"
+        return self._hang(now, evidence, faults, suspects)
 
-    def _metrics(self, start: float, busiest: float) -> str:
+    def _quiet(self, start: float, allowance: float) -> Tuple[str, List[str]]:
+        """Why the metrics say hung, in words, and the ranks idle throughout when others were not (the suspects)."""
+        peaks: Dict[int, float] = dict.fromkeys(self._busy_at, 0.0)
+        for t, cores in self._cores:
+            if t > start:
+                for unit in peaks.keys() & cores.keys():
+                    peaks[unit] = max(peaks[unit], cores[unit])
+        idle = [unit for unit, at in self._busy_at.items() if at <= start]
+        others = [unit for unit in self._busy_at if unit not in idle]
+        who = "every rank" if len(idle) > 1 and not others else self._names(idle)
+        text = (f"no IO for {allowance:g} s, and {who} idle throughout (at most "
+                f"{max(peaks[unit] for unit in idle):.2f} CPU cores)")
+        if others:
+            text += (f"; {self._names(others)} busy without IO (up to {max(peaks[unit] for unit in others):.2f} "
+                     "cores: busy-polling?)")
+        return text, ([self._labels.get(unit, f"pid {unit}") for unit in idle] if others else [])
+
+    def _names(self, units: Sequence[int]) -> str:
+        labels = sorted((self._labels.get(unit, f"pid {unit}") for unit in units), key=_rank_order)
+        shown = labels[:NAMED] if len(labels) <= NAMED else labels[:NAMED - 1]
+        more = f" and {len(labels) - len(shown)} more" if len(shown) < len(labels) else ""
+        return ", ".join(shown) + more
+
+    def _metrics(self, start: float) -> str:
+        busiest = max((sum(cores.values()) for t, cores in self._cores if t > start), default=0.0)
         devices = [sample for t, sample in self._devices if t >= start]
         level = flat(devices) if devices else None
         used = f"at most {busiest:.2f} CPU cores"
@@ -375,10 +481,16 @@ class Monitor:
             return f"{used}, {_flat_words(level, len(devices))}"
         return used + (", the accelerators busy and changing" if devices else "")
 
-    def _hang(self, now: float, evidence: str, faults: List[str]) -> Hang:
+    def _hang(self, now: float, evidence: str, faults: List[str], suspects: Sequence[str] = ()) -> Hang:
         since, _ = self._clock()
-        progressed = self._first_progress is not None and since - self._first_progress >= self.config.window
-        return Hang(evidence, faults[-1] if faults else None, progressed, now)
+        progressed = (self._first_progress is not None and since is not None
+                      and since - self._first_progress >= self.config.window)
+        return Hang(evidence, faults[-1] if faults else None, progressed, now, suspects=list(suspects))
+
+
+def _rank_order(label: str) -> Tuple[int, int, str]:
+    match = re.fullmatch(r"rank (\d+)", label)
+    return (0, int(match[1]), "") if match else (1, 0, label)
 
 
 def _flat_words(level: Tuple[float, float], samples: int) -> str:

@@ -45,7 +45,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ma_runtime import files
 from ma_runtime.preflight.model import ToolError, run_tool
-from ma_runtime.supervise import worker
+from ma_runtime.supervise import ranks, worker
 
 SITE_DIR = Path(__file__).resolve().parent / "site"
 DIR_ENV = "MA_RUNTIME_STACKS_DIR"
@@ -58,8 +58,10 @@ ABANDONED_SECONDS = 3600
 # 100 threads x 100 frames of 500-character names bound a dump; more is not one.
 DUMP_LIMIT = 16 << 20
 INNERMOST = 3
-# Workers whose leader is a launcher, never a rank, whatever its environment says.
-LAUNCHERS = ("torchrun", "msrun")
+# Where a rank's main thread waits for its peers: a collective, a barrier, a point-to-point receive (any frame of its
+# main thread in one of these). A rank that is not there while others are is the one they wait for.
+COLLECTIVES = ("/torch/distributed/", "/torch_npu/distributed/", "/mindspore/communication/", "/horovod/",
+               "/deepspeed/comm/", "/mpi4py/")
 # Odd ones out named in `describe`: the termination message's reason is one line.
 NAMED_ODD = 8
 _PTRACE = re.compile(r"permission denied|operation not permitted|ptrace", re.IGNORECASE)
@@ -343,26 +345,18 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _environ(pid: int) -> Dict[str, str]:
-    """The process's initial environment; empty where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read(1 << 20)
-    except OSError:
-        return {}
-    pairs = (entry.split(b"=", 1) for entry in data.split(b"\0") if b"=" in entry)
-    return {key.decode("utf-8", "replace"): value.decode("utf-8", "replace") for key, value in pairs}
+_environ = ranks.environ
 
 
 def _label(procs: List[_Proc], trees: Mapping[str, Sequence[int]], table: Mapping[int, worker.Proc]) -> None:
     """`rank <r>` for a rank, `pid <p> (<comm>)` for any other process: unique, in tree order."""
-    ranks = {proc.pid: _rank_of(proc, trees[proc.worker][0]) for proc in procs}
+    found = {proc.pid: _rank_of(proc) for proc in procs}
     taken = set()
     for proc in procs:
-        rank = ranks[proc.pid]
+        rank = found[proc.pid]
         # A rank's python subprocess (a spawned DataLoader worker) inherits its variables: the rank is the topmost
         # registered one (not the topmost process: `bash run.sh` may start the rank with the same variables).
-        if any(ranks.get(ancestor) == rank for ancestor in _ancestors(proc.pid, table)):
+        if any(found.get(ancestor) == rank for ancestor in _ancestors(proc.pid, table)):
             rank = None
         label = f"rank {rank}" if rank is not None else ""
         if not label or label in taken:
@@ -380,29 +374,22 @@ def _ancestors(pid: int, table: Mapping[int, worker.Proc]) -> List[int]:
     return found
 
 
-def _rank_of(proc: _Proc, leader: int) -> Optional[str]:
-    rank = _rank(proc.pid, proc.worker, leader)
+def _rank_of(proc: _Proc) -> Optional[str]:
+    rank = _rank(proc.pid, proc.worker)
     if rank is None and proc.leader:
         match = re.fullmatch(r"rank-(\d+)", proc.worker)
         rank = match[1] if match else None
     return rank
 
 
-def _rank(pid: int, worker_name: str, leader: int) -> Optional[str]:
-    """The rank a process's initial environment gives it: the variable its launcher sets first (RTF and
-    msrun set RANK_ID, torchrun RANK; a scheduler may export RANK to every process of a pod)."""
-    if pid == leader and worker_name in LAUNCHERS:
-        return None
+def _rank(pid: int, worker_name: str) -> Optional[str]:
+    """The rank a process's initial environment gives it (ranks.rank_of). The trees hold the ranks and theirs, no
+    launcher (supervise/ranks.py); msrun's scheduler, which runs the user's script with RANK_ID=0, is no rank."""
     environ = _environ(pid)
-    # msrun's scheduler runs the user's script with RANK_ID=0 beside rank 0: it is not a rank.
     if environ.get("MS_ROLE") == "MS_SCHED":
         return None
-    names = ("RANK_ID", "RANK") if worker_name == "msrun" or worker_name.startswith("rank-") else ("RANK", "RANK_ID")
-    for name in names:
-        value = environ.get(name, "").strip()
-        if value.isdigit():
-            return str(int(value))
-    return None
+    rank = ranks.rank_of(environ, worker_name)
+    return None if rank is None else str(rank)
 
 
 def _signal(procs: List[_Proc]) -> List[_Proc]:
@@ -550,12 +537,17 @@ def _py_spy_results(procs: List[_Proc], results: Dict[int, Tuple[int, str, str]]
 def _summarise(procs: List[_Proc], folder: Optional[Path], missing: List[str]) -> Stacks:
     keys: Dict[str, Optional[Frame]] = {}
     where: Dict[str, List[str]] = {}
+    waiting: Dict[str, bool] = {}
     for proc in sorted(procs, key=_order):
         main = main_thread(proc.threads)
         frames = main.frames if main is not None else []
         keys[proc.label] = frames[0] if frames else None
         where[proc.label] = [frame.short() for frame in frames[:INNERMOST]]
-    odd, usual, count = _odd_ones_out({label: keys[label] for label in _subjects(where)})
+        waiting[proc.label] = any(part in frame.path for frame in frames for part in COLLECTIVES)
+    subjects = {label: keys[label] for label in _subjects(where)}
+    odd, usual, count = _odd_ones_out(subjects)
+    if not odd:
+        odd, usual, count = _not_waiting(subjects, waiting, (odd, usual, count))
     usual_text = (usual.short() if usual is not None else "no Python frame") if count else None
     return Stacks(folder, where, odd, usual_text, missing, count)
 
@@ -575,6 +567,19 @@ def _odd_ones_out(keys: Mapping[str, Optional[Frame]]) -> Tuple[List[str], Optio
         return [], None, 0
     usual, count = groups[0]
     return [label for label, key in keys.items() if key != usual], usual, count
+
+
+def _not_waiting(keys: Mapping[str, Optional[Frame]], waiting: Mapping[str, bool], otherwise):
+    """Where the places tie (two ranks, two places), the ranks outside any collective are the odd ones out while
+    the others wait in one: the ranks waiting, not where most of them are, tell who is stuck."""
+    inside = [label for label in keys if waiting[label]]
+    outside = [label for label in keys if not waiting[label]]
+    if not inside or not outside or not all(_is_rank(label) for label in keys):
+        return otherwise
+    places = collections.Counter(keys[label] for label in inside).most_common()
+    if len(places) > 1 and places[0][1] == places[1][1]:
+        return otherwise
+    return outside, places[0][0], len(inside)
 
 
 def _log_summary(stacks: Stacks, procs: List[_Proc], log) -> None:

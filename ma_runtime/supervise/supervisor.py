@@ -20,6 +20,7 @@ SIGKILLed after they dropped every mark they inherited.
 
 import dataclasses
 import enum
+import functools
 import os
 import signal
 import time
@@ -27,6 +28,7 @@ from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Seq
 
 from ma_runtime import children
 from ma_runtime.errors import ExitCode, exit_code_of_status
+from ma_runtime.supervise import ranks
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
 from ma_runtime.supervise.worker import SIGNAL_NAMES, Proc, Worker, descendants, kill_all, processes, sweep
 
@@ -154,7 +156,7 @@ class Supervisor:
         if self.guard is not None:
             self.guard.watch_pipes(inode for worker in self.workers for inode in worker.pipe_inodes)
         if self.hangs is not None:
-            self.hangs.start(self._tree, self.signals.wake)
+            self.hangs.start(functools.partial(self._job, ranks.Finder()), self.signals.wake)
         try:
             while self._live():
                 self._record_tree()
@@ -235,9 +237,7 @@ class Supervisor:
             return
         self.log.error("job suspected hung", evidence=hang.evidence, device_fault=hang.device_fault,
                        **self._pids(self._live()))
-        table = processes()
-        self.hangs.show_where(hang, {worker.name: [worker.pid, *descendants(worker.pid, self.exclude, table)]
-                                     for worker in self._live()})
+        self.hangs.show_where(hang, self._ranks_by_worker(self._job(ranks.Finder())))
         stop.hang = hang
         self.log.warning("stopping the hung attempt", grace_seconds=self.grace_seconds)
         stop.begin(self.on_stop)
@@ -309,6 +309,21 @@ class Supervisor:
 
     def _tree(self) -> List[int]:
         return descendants(self._me, exclude=self.exclude)
+
+    def _job(self, finder: ranks.Finder) -> Dict[int, ranks.Unit]:
+        """{pid: its rank} for the processes that run the training code (supervise/ranks.py): the ranks and what
+        they started, in the workers' trees and, started by an MPI daemon, in the services' (sshd's)."""
+        exclude = children.NotTheCommand(self.exclude.pids, services=True)
+        return finder.find({worker.name: worker.pid for worker in self._live()}, children.services(), processes(),
+                           exclude)
+
+    @staticmethod
+    def _ranks_by_worker(job: Mapping[int, ranks.Unit]) -> Dict[str, List[int]]:
+        """{worker: its ranks' pids, each rank first, then what they started}: whose stacks a hang takes."""
+        trees: Dict[str, List[int]] = {}
+        for pid, unit in sorted(job.items(), key=lambda item: (item[1].root, item[0] != item[1].root, item[0])):
+            trees.setdefault(unit.worker, []).append(pid)
+        return trees
 
     def _members(self) -> Dict[int, Proc]:
         table = processes()

@@ -128,6 +128,7 @@ class Proc(NamedTuple):
     ppid: int
     pgid: int  # its process group: who a killpg reaches
     start: int  # clock ticks after boot: with the pid, names one process for good (pids are reused)
+    comm: str = ""  # its name (/proc/<pid>/comm): what an exec or a thread-name change makes of it
 
 
 def processes() -> Dict[int, Proc]:
@@ -177,9 +178,11 @@ def _stat(pid: str) -> Optional[Proc]:
         return None
     # comm may contain spaces and parentheses: the fields start after the last ')'
     # (field 3, state); then ppid and pgrp; field 22, the start time, is the 20th.
-    fields = data[data.rfind(b")") + 2 :].split()
+    end = data.rfind(b")")
+    fields = data[end + 2 :].split()
     try:
-        return Proc(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
+        return Proc(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]),
+                    data[data.find(b"(") + 1 : end].decode("utf-8", "replace"))
     except (IndexError, ValueError):
         return None
 

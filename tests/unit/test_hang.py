@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from ma_runtime.supervise import hang
-from ma_runtime.supervise.hang import Config, Monitor, activity, flat
+from ma_runtime.supervise.hang import Config, Monitor, Reading, activity, flat
+from ma_runtime.supervise.ranks import Unit
 
 WINDOW = 10.0
 
@@ -34,7 +35,7 @@ class Devices:
                                unhealthy=list(self.unhealthy), failure=self.failure)
 
 
-QUIET = {(1, 0.0): ((5, 5, 50, 50), 1.0)}
+QUIET = {(1, 0.0): Reading((5, 5, 50, 50), 1.0, 1)}
 
 
 def quiet():
@@ -50,11 +51,11 @@ class Writing:
     def __call__(self):
         self.calls += 1
         writes = min(self.calls, self.until)
-        return {(1, 0.0): ((5, writes, 50, 50 + writes), 1.0)}
+        return {(1, 0.0): Reading((5, writes, 50, 50 + writes), 1.0, 1)}
 
 
 def moved():
-    return {(1, 0.0): ((6, 5, 60, 50), 1.0)}
+    return {(1, 0.0): Reading((6, 5, 60, 50), 1.0, 1)}
 
 
 def run(monitor, until, step=2.0, sample=quiet, start=0.0, devices=None, values=()):
@@ -85,7 +86,8 @@ def test_quiet_tree_and_flat_devices_after_the_first_progress_is_a_hang_after_th
     # Busy and changing for 6 s (the first progress), then flat at 0 from t=6.
     when, found = run(monitor, 60, devices=devices, values=[(2, 80.0), (4, 40.0), (6, 0.0)])
     assert WINDOW <= when <= 6 + WINDOW + 2.0
-    assert found.evidence.startswith("no IO and at most 0.00 CPU cores for 10 s; accelerators idle: median 0 %")
+    assert found.evidence.startswith("no IO for 10 s, and pid 1 idle throughout (at most 0.00 CPU cores); "
+                                     "accelerators idle: median 0 %")
     assert found.device_fault is None and not found.progressed
 
 
@@ -112,16 +114,82 @@ def test_io_resets_the_clock():
     assert run(monitor_at(config(), Devices(50.0)), 80) is not None
 
 
-def test_a_core_or_more_is_activity_less_is_not():
-    before = {(1, 0.0): ((1, 1, 1, 1), 0.0), (2, 0.0): ((1, 1, 1, 1), 0.0)}
-    busy = {(1, 0.0): ((1, 1, 1, 1), 1.1), (2, 0.0): ((1, 1, 1, 1), 0.9)}  # 2 cores over 1 s
-    idle = {(1, 0.0): ((1, 1, 1, 1), 0.3), (2, 0.0): ((1, 1, 1, 1), 0.3)}  # 0.6 of a core
-    assert activity(before, busy, 1.0) == (True, pytest.approx(2.0))
-    assert activity(before, idle, 1.0) == (False, pytest.approx(0.6))
+def test_activity_is_per_rank_the_cores_used_or_demanded_whichever_is_more():
+    before = {(1, 0.0): Reading((1, 1, 1, 1), 0.0, 1, 0.0), (2, 0.0): Reading((1, 1, 1, 1), 0.0, 1),
+              (3, 0.0): Reading((1, 1, 1, 1), 0.0, 3, 0.0)}
+    # Rank 1 (pids 1 and 2) used 1.1 + 0.9 cores over 1 s; rank 3 got 0.05 of a core but asked for 0.95.
+    after = {(1, 0.0): Reading((1, 1, 1, 1), 1.1, 1, 1.2), (2, 0.0): Reading((1, 1, 1, 1), 0.9, 1),
+             (3, 0.0): Reading((1, 1, 1, 1), 0.05, 3, 0.95)}
+    found = activity(before, after, 1.0)
+    assert not found.io
+    assert found.cores == {1: pytest.approx(2.0), 3: pytest.approx(0.95)}
     # A process that came or went is activity, whatever the counters.
-    assert activity(before, {(1, 0.0): before[1, 0.0]}, 1.0)[0]
+    assert activity(before, {key: before[key] for key in list(before)[:2]}, 1.0).io
     # The same pid with another start time is another process.
-    assert activity(before, {(1, 5.0): before[1, 0.0], (2, 0.0): before[2, 0.0]}, 1.0)[0]
+    assert activity(before, {(1, 5.0): before[1, 0.0], (2, 0.0): before[2, 0.0], (3, 0.0): before[3, 0.0]}, 1.0).io
+    # A counter that moved is IO.
+    assert activity(before, {**before, (3, 0.0): Reading((1, 2, 1, 9), 0.0, 3, 0.0)}, 1.0).io
+
+
+def ranks(*cores, io=False, demand=None):
+    """A look at one process per rank (pids 1, 2, ...) after `cores` CPU seconds each since `ranks()`."""
+    return {(pid, 0.0): Reading((5, 5 + int(io), 50, 50), used, pid, demand) for pid, used in enumerate(cores, 1)}
+
+
+def test_one_rank_idle_throughout_while_another_busy_polls_is_a_hang_naming_it():
+    """mpirun: rank 0 spins in MPI_Barrier (a core, no IO), rank 1 is blocked: found, and rank 1 is the suspect."""
+    monitor = monitor_at(config(tool=None), None)
+    monitor._labels = {1: "rank 0", 2: "rank 1"}
+    found = None
+    for step in range(1, 20):
+        found = monitor.tick(ranks(0, 0), ranks(2.0, 0.0), 2.0, 2.0 * step)
+        if found:
+            break
+    assert found is not None and 2.0 * step <= 2 * WINDOW + 2.0
+    assert found.evidence.startswith("no IO for 20 s, and rank 1 idle throughout (at most 0.00 CPU cores); "
+                                     "rank 0 busy without IO (up to 1.00 cores")
+    assert found.suspects == ["rank 1"] and found.rank == 1
+
+
+@pytest.mark.parametrize("tool, used, demanded, hung", [
+    (None, 0.4, None, False),  # a CPU job's busy loop getting 0.2 of a core on a loaded node: working
+    (None, 0.02, 1.9, False),  # getting 0.01 of a core but asking for 0.95: working, whatever the contention
+    (None, 0.02, 0.03, True),  # a blocked rank's background threads: 0.01 of a core
+    ("nvidia-smi", 1.4, None, True),  # with accelerators, the platform's rule: under a core is idle
+    ("nvidia-smi", 0.2, 2.4, False),  # unless it asked for more than a core
+])
+def test_a_rank_is_busy_by_the_cpu_it_used_or_asked_for(tool, used, demanded, hung):
+    devices = Devices(0.0) if tool else None
+    monitor = monitor_at(config(tool=tool, startup=WINDOW), devices)
+    found = run(monitor, 40, sample=Growing(used, demanded), devices=devices)
+    assert (found is not None) == hung
+
+
+class Growing:
+    """One rank that uses `used` CPU seconds (and asks for `demanded`) between two looks 2 s apart."""
+
+    def __init__(self, used, demanded):
+        self.used, self.demanded, self.calls = used, demanded, 0
+
+    def __call__(self):
+        self.calls += 1
+        demand = None if self.demanded is None else self.calls * self.demanded
+        return {(1, 0.0): Reading((5, 5, 50, 50), self.calls * self.used, 1, demand)}
+
+
+def test_with_a_progress_signal_cpu_use_before_its_first_beat_is_activity():
+    """A second attempt importing torch for longer than the start-up allowance, before the first matching line."""
+    monitor = monitor_at(config(tool=None, progress_pattern="step"), None)
+    busy = Growing(2.0, None)
+    assert run(monitor, 60, sample=busy) is None  # 3 allowances of busy CPU: not hung
+    monitor.clock = lambda: 60.0
+    monitor.progress()  # the first beat: from now on the signal alone decides, busy or not
+    found = run(monitor, 100, sample=busy, start=60.0)
+    assert found is not None and found[0] == 60.0 + WINDOW
+    # Without any beat, a quiet start is a hang after the start-up allowance, and says which signal never came.
+    found = run(monitor_at(config(tool=None, progress_pattern="step"), None), 100)
+    assert found[0] == 2 * WINDOW
+    assert found[1].evidence.startswith("no progress signal (output pattern) since the start, and no IO for 20 s")
 
 
 def test_flatness_is_the_spread_of_each_device():
@@ -225,17 +293,20 @@ def test_the_tree_sample_reads_a_real_process(tmp_path):
                               "    sys.stdout.write('x'); sys.stdout.flush(); time.sleep(0.3)\ntime.sleep(30)"],
                              stdout=subprocess.DEVNULL)
     try:
-        tree = hang._Tree(lambda: [child.pid])
-        first = tree.sample()
+        tree = hang._Tree(lambda: {child.pid: Unit(child.pid, "command", "rank 0")})
+        first = tree.sample(None)
         time.sleep(1.2)
-        second = tree.sample()
-        assert activity(first, second, 1.2)[0]  # it wrote
+        second = tree.sample(None)
+        assert activity(first, second, 1.2).io  # it wrote
+        assert tree.labels == {child.pid: "rank 0"}
         time.sleep(0.3)
-        third = tree.sample()
+        third = tree.sample(None)
         time.sleep(0.5)
-        fourth = tree.sample()
-        assert activity(third, fourth, 0.5) == (False, pytest.approx(0.0, abs=0.1))  # asleep: no IO, no CPU
+        fourth = tree.sample(None)
+        assert third[next(iter(third))].demand is not None  # schedstat read
+        quiet = activity(third, fourth, 0.5)
+        assert not quiet.io and quiet.cores[child.pid] == pytest.approx(0.0, abs=0.1)  # asleep: no IO, no CPU
     finally:
         child.kill()
         child.wait()
-    assert hang._Tree(lambda: [child.pid]).sample() == {}  # gone: nothing, no error
+    assert hang._Tree(lambda: {child.pid: Unit(child.pid, "command", "x")}).sample() == {}  # gone: nothing, no error
