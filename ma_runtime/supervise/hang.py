@@ -5,28 +5,38 @@ utilisation flat over a window, judged by its median and variance, over `MA_HANG
 every instance using less than one CPU core. Here, one `Monitor` per attempt samples, in a thread of its own
 at a fixed period (a fifth of the window, at most a minute):
 
-- the worker tree, re-discovered each period (every descendant, the runtime's own tools and helpers left
-  out), with psutil: each process's read/write syscalls and characters (/proc/<pid>/io: pipes and sockets
-  count, so a gloo collective or a log line is IO) and its CPU time. An interval is *active* when a counter
-  moved, a process came or went, or the tree used a core or more (`BUSY_CORES`);
+- the job's ranks, re-discovered each period (supervise/ranks.py: the processes that run the training code and
+  what they start, never launcher machinery: torchrun's agent, msrun and its scheduler, mpirun, orted, the
+  runtime's own helpers and services), with psutil: each process's read/write syscalls and characters
+  (/proc/<pid>/io: pipes and sockets count, so a gloo collective or a log line is IO) and its CPU time. A
+  period has IO when a rank's counter moved or a process came or went. A rank is *busy* over a period when
+  it used or asked for `BUSY_CORES` of the CPUs (a CPU-only job: `BUSY_CORES_CPU_ONLY`), asked being the time
+  its threads ran plus the time they waited on a run queue (/proc/<pid>/task/*/schedstat, read only for a rank
+  that used less than that the period before): on a loaded node a working rank gets a fraction of a core but
+  asks for a whole one, where a blocked rank asks for nothing;
 - the accelerators of this container (`devices.utilisation`: npu-smi's AICore %, nvidia-smi's GPU util %).
   They are *flat* over the window when every device's samples spread by at most `FLAT_STDDEV` points.
 
-Hang = no active interval for the window, and the accelerators flat over it (a CPU job forced on with
-MA_RUNTIME_HANG_DETECT=on has only the first half). With a progress signal (MA_RUNTIME_PROGRESS_FILE's
-mtime, a line matching MA_RUNTIME_PROGRESS_PATTERN) the signal alone decides: progress resets the clock
-whatever the metrics say, and none for the window is a hang even while busy-polling collectives keep the
-devices and a core busy (NCCL's busy-polling is why utilisation alone misses a hung collective).
+Hang = no IO from any rank for the window and a rank idle (not busy) throughout it, and the accelerators flat
+over it (a CPU job forced on with MA_RUNTIME_HANG_DETECT=on has only the first half). One idle rank is enough:
+the others may busy-poll for it (Open MPI spins a core in MPI_Barrier, NCCL its proxy thread), and a rank that
+neither computes nor communicates for a window is no part of a step. That rank is the suspect the hang names,
+when the others were busy. With a progress signal (MA_RUNTIME_PROGRESS_FILE's mtime, a line matching
+MA_RUNTIME_PROGRESS_PATTERN), once it has beaten the signal alone decides: progress resets the clock whatever
+the metrics say, and none for the window is a hang even while busy-polling collectives keep the devices and a
+core busy (NCCL's busy-polling is why utilisation alone misses a hung collective). Before its first beat the
+metrics decide, so that the CPU a second attempt spends importing torch is not taken for a hang.
 
 Fewer false alarms than the anchors: before an attempt's first progress (the signal's first beat, or,
 without one, the first sample where an accelerator is busy, above `IDLE_PERCENT`; a CPU-only job: the first
-interval using a core) the window is MA_RUNTIME_HANG_STARTUP_SECONDS (default twice the window): warm-up,
-compilation and data loading are not hangs. The check that would declare a hang runs at its deadline, not
-on the next period's grid, so a hang is found within the window plus one period.
+period in which a rank was busy) the window is MA_RUNTIME_HANG_STARTUP_SECONDS (default twice the window):
+warm-up, compilation and data loading are not hangs. Every attempt has its own monitor, so its own start-up
+allowance. The check that would declare a hang runs at its deadline, not on the next period's grid, so a hang
+is found within the window plus one period.
 
 The thread only reads /proc and runs the accelerator tool (through `run_tool`, owned: the reaping loop
 leaves it alone, and the tree walk leaves it out); finding a hang, it wakes the supervision loop, which
-takes the stacks (`show_where`) and stops the attempt as in a failure.
+takes the stacks of the ranks (`show_where`) and stops the attempt as in a failure.
 """
 
 import collections
@@ -386,8 +396,8 @@ class Monitor:
         for gone in set(self._busy_at) - interval.cores.keys():
             del self._busy_at[gone]
         self._keep(self._cores, (now, interval.cores))
-        if self.config.tool is None and interval.cores and min(interval.cores.values()) >= self._busy:
-            self._progressed(now)  # a CPU-only job's first progress: every rank busy
+        if self.config.tool is None and any(cores >= self._busy for cores in interval.cores.values()):
+            self._progressed(now)  # a CPU-only job's first progress: a rank busy
         self._sample_devices(now)
         mtime = self._mtime()
         if mtime is not None and mtime != self._file_mtime:

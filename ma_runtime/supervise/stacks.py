@@ -208,7 +208,8 @@ class Stacks:
         else:
             at = "; ".join(f"{label}: {_innermost(self.where[label])}" for label in named)
         verb = "is" if len(self.odd) == 1 else "are"
-        return f"{names} {verb} elsewhere ({at}) while the other {self.usual_count} wait in {self.usual}"
+        others = "the other waits" if self.usual_count == 1 else f"the other {self.usual_count} wait"
+        return f"{names} {verb} elsewhere ({at}) while {others} in {self.usual}"
 
     def _together_sentence(self) -> str:
         subjects = self._subjects()
