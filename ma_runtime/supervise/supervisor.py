@@ -236,7 +236,7 @@ class Supervisor:
         if hang is None or not self._live():  # every worker ended meanwhile: their exits decide
             return
         self.log.error("job suspected hung", evidence=hang.evidence, device_fault=hang.device_fault,
-                       **self._pids(self._live()))
+                       **({"suspects": ", ".join(hang.suspects)} if hang.suspects else {}), **self._pids(self._live()))
         self.hangs.show_where(hang, self._ranks_by_worker(self._job(ranks.Finder())))
         stop.hang = hang
         self.log.warning("stopping the hung attempt", grace_seconds=self.grace_seconds)
