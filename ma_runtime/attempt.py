@@ -202,6 +202,20 @@ def release(spec) -> None:
         os.close(fd)
 
 
+def _forget_in_child() -> None:
+    """In a child forked without exec (the guard, which outlives a SIGKILLed runtime while it sweeps): its copies
+    closed, so the lock is the runtime's alone and goes with it. A child that execs drops them anyway (CLOEXEC)."""
+    for fd in _owned.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _owned.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _not_the_owner(spec, environ: Mapping[str, str]) -> str:
     """Why this runtime must leave the pod's record alone, or "" once it holds the record's lock for the run.
 

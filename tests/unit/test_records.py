@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence, Tuple
 
@@ -419,3 +420,23 @@ def test_a_state_folder_where_no_lock_can_be_had_keeps_the_record_as_before(tmp_
     assert attempt_module.first(spec, "new", log) == Attempt(3, "new", 1)
     assert "continuing after a runtime that did not finish" in log.events("info")
 
+
+
+def test_a_child_forked_without_exec_does_not_keep_the_lock(tmp_path):
+    """The guard is such a child, and it outlives a SIGKILLed runtime while it sweeps: the next runtime must get
+    the record at once, whatever the order of the guard's fork and the lock."""
+    spec = spec_for(tmp_path)
+    assert attempt_module.first(spec, "run", Log()).recorded
+    child = os.fork()
+    if child == 0:  # holds whatever the fork gave it, until killed
+        time.sleep(30)
+        os._exit(0)
+    try:
+        attempt_module.release(spec)  # the runtime is gone; its forked child lives on
+        probe = subprocess.run([sys.executable, "-c", "import fcntl, os, sys\n"
+                                "fcntl.flock(os.open(sys.argv[1], os.O_RDWR), fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+                                str(attempt_module.lock_path(spec))])
+        assert probe.returncode == 0
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
