@@ -12,6 +12,13 @@ restart budget counts from the recorded first attempt. A runtime that finished, 
 marks the record finished, so running the same job again (the demo twice on a laptop) starts afresh.
 `MA_PROC_START_CNT` from the platform is a floor: the platform's own restarts count too.
 
+One runtime owns a pod's record at a time: it holds an flock on `attempt-<task>-<index>.lock` beside the record
+for the whole run (the kernel lets go when the process dies, SIGKILL included). A runtime that cannot own it runs
+unrecorded: nested in another runtime (MA_RUNTIME_LINEAGE names its parent's run), or started beside one that holds
+the lock, it counts from the platform's MA_PROC_START_CNT (a nested one inherits its parent's attempt there), says
+why in one line, and neither continues, writes nor finishes the record. A record that does not validate field by
+field is set aside (records.py) and the run is a first start.
+
 `Policy.decide` is the restart rule: a failed attempt (non-zero exit, or death by a signal) is
 started again while the budget (`MA_RUNTIME_MAX_RESTARTS`) lasts, unless its exit code says not to
 (`MA_RUNTIME_NO_RESTART_EXIT_CODES`, and the runtime's own 78), a stop was requested, or the same
@@ -26,18 +33,27 @@ ends with the hung attempt's 83.
 """
 
 import dataclasses
+import errno
+import fcntl
 import json
+import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Mapping, Sequence
 
-from ma_runtime import files
+from ma_runtime import files, records
 from ma_runtime.errors import ExitCode
+from ma_runtime.supervise.guard import LINEAGE_ENV
 from ma_runtime.supervise.supervisor import State
 
 BACKOFF_CAP = 60.0
 # The runtime's own "bad configuration" is never worth a retry, whatever the setting says.
 ALWAYS_FINAL = (int(ExitCode.BAD_CONFIGURATION),)
 _RECORD_LIMIT = 64 * 1024
+# MA_PROC_START_CNT's documented range (spec.py): a recorded attempt past it is not one this runtime made.
+MAX_ATTEMPT = 1_000_000
+MAX_TASK_INDEX = 99_999  # VC_TASK_INDEX's (spec.py)
+# The pod records this process owns: lock path -> the descriptor holding its lock, for the whole run.
+_owned: Dict[str, int] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +61,8 @@ class Attempt:
     number: int  # MA_PROC_START_CNT of this start
     run_id: str
     first: int  # the first attempt of this runtime (or of the one it took over from): the budget counts from it
+    # False: another runtime owns the pod's record (this one is nested in it, or beside it): never written.
+    recorded: bool = dataclasses.field(default=True, compare=False)
 
     @property
     def restarts(self) -> int:
@@ -136,25 +154,40 @@ def record_path(spec) -> Path:
     return spec.state_dir / f"attempt-{spec.task_name}-{spec.task_index}.json"
 
 
+def lock_path(spec) -> Path:
+    """Beside the record, a file of its own: the record is replaced by a rename, which a lock would not survive."""
+    return spec.state_dir / f"attempt-{spec.task_name}-{spec.task_index}.lock"
+
+
 def _pod(spec) -> Dict[str, Any]:
     return {"vj_name": spec.vj_name, "task_name": spec.task_name, "task_index": spec.task_index,
             "schedule_cnt": spec.schedule_cnt}
 
 
-def first(spec, run_id: str, log) -> Attempt:
-    """The first attempt of this runtime: the platform's count, or the record of a runtime that died."""
+def first(spec, run_id: str, log, environ: Mapping[str, str] = os.environ) -> Attempt:
+    """The first attempt of this runtime: the platform's count, or the record of a runtime that died. A runtime that
+    does not own the pod's record (nested in another, or beside one) counts from the platform's alone, unrecorded."""
     floor = spec.proc_start_cnt
-    previous = _read(spec)
-    if previous and previous.get("pod") == _pod(spec) and not previous.get("finished"):
-        number = max(floor, int(previous["attempt"]) + 1)
+    why_not = _not_the_owner(spec, environ)
+    if why_not:
+        level = log.info if environ.get(LINEAGE_ENV) else log.warning
+        level(f"attempt not recorded: {why_not}", attempt=floor, record=str(record_path(spec)))
+        return Attempt(floor, run_id, floor, recorded=False)
+    previous = records.load(record_path(spec), _valid, log, "the attempt record",
+                            then="this run starts as a first start", limit=_RECORD_LIMIT)
+    if previous and previous["pod"] == _pod(spec) and not previous["finished"]:
+        number = max(floor, previous["attempt"] + 1)
         log.info("continuing after a runtime that did not finish", previous_attempt=previous["attempt"],
                  attempt=number, record=str(record_path(spec)))
-        return Attempt(number, run_id, min(number, int(previous.get("first", number))))
+        return Attempt(number, run_id, previous["first"])
     return Attempt(floor, run_id, floor)
 
 
 def record(spec, attempt: Attempt, finished: bool = False) -> None:
-    """Before each launch (finished=False) and at the end of the run (finished=True)."""
+    """Before each launch (finished=False) and at the end of the run (finished=True); nothing for an attempt that is
+    not recorded (`first`)."""
+    if not attempt.recorded:
+        return
     document = {"pod": _pod(spec), "attempt": attempt.number, "first": attempt.first, "run_id": attempt.run_id,
                 "finished": finished}
     path = record_path(spec)
@@ -162,12 +195,68 @@ def record(spec, attempt: Attempt, finished: bool = False) -> None:
     files.write_atomically(path, (json.dumps(document) + "\n").encode())
 
 
-def _read(spec) -> Optional[Dict[str, Any]]:
+def release(spec) -> None:
+    """Lets go of the pod's record (the process's exit does it too)."""
+    fd = _owned.pop(str(lock_path(spec)), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _forget_in_child() -> None:
+    """In a child forked without exec (the guard, which outlives a SIGKILLed runtime while it sweeps): its copies
+    closed, so the lock is the runtime's alone and goes with it. A child that execs drops them anyway (CLOEXEC)."""
+    for fd in _owned.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _owned.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _not_the_owner(spec, environ: Mapping[str, str]) -> str:
+    """Why this runtime must leave the pod's record alone, or "" once it holds the record's lock for the run.
+
+    A nested runtime (`ma-run ma-run ...`: its parent's MA_RUNTIME_LINEAGE) runs inside an attempt its parent
+    counts. Beside another runtime, the lock is that one's. A lock that cannot be had for another reason (a
+    read-only state folder, a file system without locks) leaves the record as it was before locks: read, and
+    written when it can be."""
+    if environ.get(LINEAGE_ENV):
+        return f"this runtime runs inside another ({LINEAGE_ENV} is set), which counts the attempts"
+    path = lock_path(spec)
+    if str(path) in _owned:
+        return ""
     try:
-        data = files.read_regular(record_path(spec), _RECORD_LIMIT)
-        document = json.loads(data) if data else None
-    except (OSError, ValueError):
-        return None  # unreadable or foreign: start from the platform's count
-    if not isinstance(document, dict) or not isinstance(document.get("attempt"), int):
-        return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Close-on-exec: no command, hook or helper holds the lock after the runtime is gone.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError:
+        return ""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return f"another runtime in this pod holds the record ({path})"
+        return ""
+    _owned[str(path)] = fd
+    return ""
+
+
+def _valid(document: Any) -> Dict[str, Any]:
+    """The record's fields, each of its type and range, `first` no later than `attempt`; else records.Invalid."""
+    records.mapping(document, "the record")
+    records.exactly(document, ("pod", "attempt", "first", "run_id", "finished"), "the record")
+    pod = records.mapping(document["pod"], "`pod`")
+    records.exactly(pod, ("vj_name", "task_name", "task_index", "schedule_cnt"), "`pod`")
+    records.text(pod["vj_name"], "`pod.vj_name`", optional=True)
+    records.text(pod["task_name"], "`pod.task_name`")
+    records.integer(pod["task_index"], "`pod.task_index`", 0, MAX_TASK_INDEX)
+    records.integer(pod["schedule_cnt"], "`pod.schedule_cnt`", 1, MAX_ATTEMPT)
+    attempt = records.integer(document["attempt"], "`attempt`", 1, MAX_ATTEMPT)
+    records.integer(document["first"], "`first`", 1, attempt)
+    records.text(document["run_id"], "`run_id`")
+    records.flag(document["finished"], "`finished`")
     return document

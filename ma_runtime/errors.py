@@ -7,7 +7,9 @@ leave room: 70 and 78 are EX_SOFTWARE and EX_CONFIG, 79-85 follow EX_CONFIG.
 """
 
 import enum
-from typing import Optional, Sequence
+import errno
+import os
+from typing import Mapping, Optional, Sequence, Tuple
 
 
 class ExitCode(enum.IntEnum):
@@ -112,3 +114,72 @@ class HookFailed(RuntimeFailure):
         super().__init__(reason, hint, stage)
         self.tail = list(tail)
         self.hook_exit_code = hook_exit_code
+
+
+# --------------------------------------------------------------------------- exec's size limits (E2BIG)
+
+# Linux's limit on one argument or one NAME=value string, its NUL included (32 pages: MAX_ARG_STRLEN).
+MAX_ARG_STRLEN = 32 * 4096
+# The floor and the ceiling of the total the kernel allows (ARG_MAX, and 3/4 of _STK_LIM): fs/exec.c.
+_ARG_MAX_FLOOR = 32 * 4096
+_ARG_MAX_CEILING = 6 << 20
+_POINTER = 8
+
+
+class TooLargeForExec(OSError):
+    """An exec refused with E2BIG, its text the sizes (`too_large_for_exec`): for callers that log `str(exc)`."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]):
+        super().__init__(errno.E2BIG, too_large_for_exec(argv, env))
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def too_large_for_exec(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """The one line for an exec refused with E2BIG: `the environment (or the arguments) is too large for exec: N
+    bytes; largest: NAME (M bytes)`, and which of Linux's two limits it is past."""
+    total, largest, size = exec_sizes(argv, env)
+    line = f"the environment (or the arguments) is too large for exec: {total} bytes; largest: {largest} ({size} bytes)"
+    if size > MAX_ARG_STRLEN:
+        return line + ", over Linux's 128 KiB limit on one string (MAX_ARG_STRLEN)"
+    return line + f", over the {exec_total_limit()} bytes Linux takes for all of them (a quarter of `ulimit -s`)"
+
+
+# Said with every E2BIG: what to do about it.
+TOO_LARGE_HINT = ("pass large data in a file and its path in the variable or argument; the environment is the job's, "
+                  "with what the hooks exported (the pre-start script, MA_HOOK_ENV_FILE, CANN's set_env.sh)")
+
+
+def exceeds_exec_limits(argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether Linux would refuse an exec of `argv` with `env` (E2BIG): one string over MAX_ARG_STRLEN, or all of them
+    with their pointers over the total (`exec_total_limit`)."""
+    total, _, size = exec_sizes(argv, env)
+    return size > MAX_ARG_STRLEN or total + _POINTER * (max(len(argv), 1) + len(env)) > exec_total_limit()
+
+
+def exec_sizes(argv: Sequence[str], env: Mapping[str, str]) -> Tuple[int, str, int]:
+    """(bytes of every argument and NAME=value string with its NUL, the largest one's name, its bytes). An
+    argument is named `argument N` (0: the program)."""
+    total, largest, size = 0, "", -1
+    for index, word in enumerate(argv):
+        length = len(os.fsencode(word)) + 1
+        total += length
+        if length > size:
+            largest, size = f"argument {index}", length
+    for name, value in env.items():
+        length = len(os.fsencode(name)) + len(os.fsencode(value)) + 2
+        total += length
+        if length > size:
+            largest, size = name, length
+    return total, largest, max(size, 0)
+
+
+def exec_total_limit() -> int:
+    """What Linux allows for every argument and environment string of one exec, pointers included: a quarter of the
+    stack's soft limit, at least 128 KiB, at most 6 MiB (fs/exec.c)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    quarter = _ARG_MAX_CEILING if soft == resource.RLIM_INFINITY else soft // 4
+    return max(min(quarter, _ARG_MAX_CEILING), _ARG_MAX_FLOOR)

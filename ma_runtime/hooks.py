@@ -32,8 +32,15 @@ import time
 from pathlib import Path
 from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-from ma_runtime import children
-from ma_runtime.errors import ConfigError, HookFailed
+from ma_runtime import children, records
+from ma_runtime.errors import (
+    TOO_LARGE_HINT,
+    ConfigError,
+    HookFailed,
+    RuntimeFailure,
+    exceeds_exec_limits,
+    too_large_for_exec,
+)
 from ma_runtime.files import RECORD_LIMIT, read_regular, write_atomically
 from ma_runtime.launch.args import is_shell_form, last_simple_command
 from ma_runtime.output import Sink
@@ -59,19 +66,27 @@ _PYTHON_NAME = re.compile(r"python[0-9.]*\Z")
 # The dump both sides of a sourced file: the whole environment as JSON, with the file's status.
 _DUMP = ("import json,os,sys\n"
          "with open(sys.argv[1], 'w') as f: json.dump({'status': int(sys.argv[2]), 'environ': dict(os.environ)}, f)")
-# `bash -c` this, with $1.. = python, dump code, before, after, the file. The names are the shell's own
-# variables (not exported, so in neither dump); `set --` keeps our arguments from the sourced file's $1.
+# When the second dump cannot run (the file exported more than exec takes: E2BIG), bash writes the exported
+# variables with builtins alone, `NAME=value` NUL-separated, to `<after>.raw`, for the runtime to say which is too
+# large. `${!n-}`: a file's `set -u` must not end the shell here.
+_RAW_DUMP = r"""for __ma_rt_n in $(compgen -e); do printf '%s=%s\0' "$__ma_rt_n" "${!__ma_rt_n-}"; done \
+> "$__ma_rt_after.raw" 2>/dev/null"""
+# `bash -c` this, with $1.. = python, dump code, before, after, the file, the raw dump. The names are the shell's
+# own variables (not exported, so in neither dump); `set --` keeps our arguments from the sourced file's $1.
 # The second dump is taken when the file returns; the EXIT trap takes it for a file that ends with `exit`. A file
-# may replace that trap with its own (a cleanup): it still runs, when the shell exits after the dump.
-_SOURCE = r"""__ma_rt_py=$1 __ma_rt_dump=$2 __ma_rt_after=$4 __ma_rt_file=$5 __ma_rt_done=
+# may replace that trap with its own (a cleanup): it still runs, when the shell exits after the dump. The raw dump
+# is bash's alone (`${!n}` is no sh syntax): evaluated only under bash.
+_SOURCE = r"""__ma_rt_py=$1 __ma_rt_dump=$2 __ma_rt_after=$4 __ma_rt_file=$5 __ma_rt_raw=$6 __ma_rt_done=
 "$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$3" 0 || exit 125
 trap '__ma_rt_status=$?; trap - EXIT
-[ -n "$__ma_rt_done" ] || "$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$__ma_rt_after" "$__ma_rt_status"
+[ -n "$__ma_rt_done" ] || "$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$__ma_rt_after" "$__ma_rt_status" ||
+{ [ -z "${BASH_VERSION-}" ] || eval "$__ma_rt_raw"; }
 exit "$__ma_rt_status"' EXIT
 set --
 . "$__ma_rt_file"
 __ma_rt_status=$? __ma_rt_done=1
-"$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$__ma_rt_after" "$__ma_rt_status"
+"$__ma_rt_py" -I -S -c "$__ma_rt_dump" "$__ma_rt_after" "$__ma_rt_status" ||
+{ [ -z "${BASH_VERSION-}" ] || eval "$__ma_rt_raw"; }
 exit "$__ma_rt_status"
 """
 
@@ -159,7 +174,8 @@ def _pip_install(run: _Run) -> None:
         raise HookFailed(f"cannot install {found}: no Python interpreter for the job on PATH",
                          hint="put the job's python3 on PATH (or set ANACONDA_DIR and DEFAULT_CONDA_ENV_NAME), "
                               "or turn the install off with MA_RUNTIME_PIP_INSTALL=off", stage="pip")
-    record = _Record(run.spec.state_dir / "pip.json", run.reuse)
+    record = _Record(run.spec.state_dir / "pip.json", run.reuse, _valid_pip, "the pip record",
+                     "the requirements are installed again", run.log)
     key = {"file": str(found), "sha256": _sha256(found), "python": python}
     if record.matches(key):
         run.log.info("pip requirements already installed in this pod; not installed again", file=str(found))
@@ -170,8 +186,9 @@ def _pip_install(run: _Run) -> None:
     started = time.monotonic()
     result = _supervised(run, argv, run.environ, "pip install", "pip")
     if result.code != 0:
-        raise HookFailed(f"pip install -r {found.name} failed with exit code {result.code}",
-                         hint=_pip_hint(run), stage="pip", tail=result.tail, hook_exit_code=result.code)
+        what = result.why if result.hint else f"with exit code {result.code}"  # not started: why, in its words
+        raise HookFailed(f"pip install -r {found.name} failed {what}", hint=result.hint or _pip_hint(run),
+                         stage="pip", tail=result.tail, hook_exit_code=result.code)
     run.log.info("pip requirements installed", file=str(found), elapsed_s=round(time.monotonic() - started, 3))
     record.write(key, run.log, "pip install")
 
@@ -237,9 +254,9 @@ def _cann(run: _Run) -> Env:
     result = _source(run, script, run.environ, "CANN set_env.sh", "cann")
     if result.code != 0 or result.env is None:
         raise HookFailed(f"sourcing CANN's {script} failed: {result.why}",
-                         hint="fix the toolkit's installation, point MA_RUNTIME_CANN_SET_ENV at the right "
-                              "set_env.sh, or set MA_RUNTIME_CANN_SET_ENV=off", stage="cann", tail=result.tail,
-                         hook_exit_code=result.code)
+                         hint=result.hint or "fix the toolkit's installation, point MA_RUNTIME_CANN_SET_ENV at the "
+                                             "right set_env.sh, or set MA_RUNTIME_CANN_SET_ENV=off", stage="cann",
+                         tail=result.tail, hook_exit_code=result.code)
     run.log.info("CANN environment applied", file=str(script), set=len(result.env.set),
                  unset=len(result.env.unset), elapsed_s=round(time.monotonic() - started, 3))
     return result.env
@@ -306,12 +323,13 @@ def _pre_start(run: _Run, environ: Dict[str, str]) -> Env:
         run.log.warning("pre-start hook not run: only one runs", path=str(other), runs=str(hook))
     if hook is None:
         return Env()
-    record = _Record(run.spec.state_dir / "pre-start.json", run.reuse, private=True)
+    record = _Record(run.spec.state_dir / "pre-start.json", run.reuse, _valid_pre_start, "the pre-start record",
+                     "the pre-start script runs again", run.log, private=True)
     key = {"file": str(hook), "sha256": _sha256(hook)}
     previous = record.matches(key)
-    env = _recorded_env(previous)
     # A hook that started a service (an sshd) runs again: the service ended with the runtime that adopted it.
-    if env is not None and not previous.get("services"):
+    if previous is not None and not previous["services"]:
+        env = Env.from_json(previous["env"])
         run.log.info("pre-start script already ran in this pod; its environment applied again", hook=str(hook),
                      set=len(env.set), unset=len(env.unset))
         return env
@@ -324,8 +342,8 @@ def _pre_start(run: _Run, environ: Dict[str, str]) -> Env:
     if result.code != 0 or result.env is None:
         raise HookFailed(f"pre-start script {hook} failed: {result.why}", stage="pre-start", tail=result.tail,
                          hook_exit_code=result.code,
-                         hint="fix the hook (its output is in the task log, prefixed [ma-pre-start]), or set "
-                              "MA_RUNTIME_PRE_START=off")
+                         hint=result.hint or "fix the hook (its output is in the task log, prefixed [ma-pre-start]), "
+                                             "or set MA_RUNTIME_PRE_START=off")
     services = _adopt_leftovers(run)
     run.log.info("pre-start script finished", hook=str(hook), elapsed_s=round(time.monotonic() - started, 3),
                  set=sorted(result.env.set), unset=sorted(result.env.unset))
@@ -333,16 +351,29 @@ def _pre_start(run: _Run, environ: Dict[str, str]) -> Env:
     return result.env
 
 
-def _recorded_env(previous: Optional[dict]) -> Optional[Env]:
-    """The environment a record holds, None when it holds none that can be applied (then the hook runs)."""
-    try:
-        env = Env.from_json(previous["env"])
-    except (TypeError, KeyError, ValueError):
-        return None
-    if all(isinstance(n, str) and isinstance(v, str) for n, v in env.set.items()) and all(
-            isinstance(n, str) for n in env.unset):
-        return env
-    return None
+def _valid_pip(document) -> dict:
+    """pip.json: the requirements file, its hash and the interpreter that installed it."""
+    records.exactly(records.mapping(document, "the record"), ("file", "sha256", "python"), "the record")
+    for name in ("file", "sha256", "python"):
+        records.text(document[name], f"`{name}`")
+    return document
+
+
+def _valid_pre_start(document) -> dict:
+    """pre-start.json: the hook file, its hash, the environment it produced, whether it left a service."""
+    records.exactly(records.mapping(document, "the record"), ("file", "sha256", "env", "services"), "the record")
+    for name in ("file", "sha256"):
+        records.text(document[name], f"`{name}`")
+    env = records.mapping(document["env"], "`env`")
+    records.exactly(env, ("set", "unset"), "`env`")
+    # What exec refuses (a name with `=`, a NUL anywhere) would stop every worker's start: not an environment.
+    for name, value in records.strings(env["set"], "`env.set`").items():
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise records.Invalid("`env.set`: an entry that no environment can hold (an empty name, `=` in a "
+                                  "name, or a NUL)")
+    records.string_list(env["unset"], "`env.unset`")
+    records.flag(document["services"], "`services`")
+    return document
 
 
 def _python_hook(run: _Run, hook: Path, environ: Mapping[str, str]) -> "_Result":
@@ -371,6 +402,7 @@ class _Result:
     env: Optional[Env]  # what it did to the environment; None when that could not be read
     tail: List[str]
     why: str = ""
+    hint: str = ""  # what to do, when it is not the step's usual (E2BIG)
 
 
 def _source(run: _Run, script: Path, environ: Mapping[str, str], name: str, step: str) -> _Result:
@@ -379,19 +411,52 @@ def _source(run: _Run, script: Path, environ: Mapping[str, str], name: str, step
 
     def source(env: Dict[str, str]) -> _Result:
         with _scratch("before") as before, _scratch("after") as after:
-            argv = [bash, "-c", _SOURCE, name, sys.executable, _DUMP, str(before), str(after), str(script)]
+            argv = [bash, "-c", _SOURCE, name, sys.executable, _DUMP, str(before), str(after), str(script), _RAW_DUMP]
             result = _supervised(run, argv, env, name, step)
             dumps = [_read_dump(before), _read_dump(after)]
+            raw = _read_raw_dump(Path(f"{after}.raw")) if dumps[1] is None else None
         if result.code != 0:
             return result
         if None in dumps:
-            result.code, result.why = 125, ("its environment could not be read: a sourced script must not exec, "
-                                            "nor end with exit after setting an EXIT trap of its own")
+            result.code, result.why, result.hint = 125, *_unread_why(raw, str(after))
             return result
         result.env = diff(dumps[0], dumps[1])
         return result
 
     return _with_env_file(run, source, environ)
+
+
+def _unread_why(raw: Optional[Dict[str, str]], after: str) -> Tuple[str, str]:
+    """(why, hint) the environment after a sourced file could not be read: more than exec takes (the raw dump shows
+    it), else the file ended its shell before the dump (the step's own hint)."""
+    dump_argv = [sys.executable, "-I", "-S", "-c", _DUMP, after, "0"]
+    if raw is not None and exceeds_exec_limits(dump_argv, raw):
+        return too_large_for_exec(dump_argv, raw), TOO_LARGE_HINT
+    return ("its environment could not be read: a sourced script must not exec, nor end with exit after setting an "
+            "EXIT trap of its own"), ""
+
+
+def _fits_exec(result: "_Result", environ: Mapping[str, str]) -> "_Result":
+    """`result`, without an environment (a failure, its own status kept) when the environment it leaves is more
+    than exec takes: every later start (the command's) would fail with E2BIG, so the step that did it is named
+    now."""
+    if result.code == 0 and result.env is not None:
+        after = result.env.apply(environ)
+        if exceeds_exec_limits([], after):
+            return _Result(result.code, None, result.tail, why=too_large_for_exec([], after), hint=TOO_LARGE_HINT)
+    return result
+
+
+def _read_raw_dump(path: Path) -> Optional[Dict[str, str]]:
+    """`NAME=value` strings, NUL-separated (bash's builtins' dump); None when there is none."""
+    try:
+        data = read_regular(path, RECORD_LIMIT)
+    except OSError:
+        return None
+    if data is None:
+        return None
+    pairs = (item.split(b"=", 1) for item in data.split(b"\0") if b"=" in item)
+    return {os.fsdecode(name): os.fsdecode(value) for name, value in pairs}
 
 
 def _with_env_file(run: _Run, start, environ: Mapping[str, str]) -> _Result:
@@ -406,7 +471,7 @@ def _with_env_file(run: _Run, start, environ: Mapping[str, str]) -> _Result:
         except (OSError, ValueError) as exc:  # replaced by a FIFO, grown past the limit, a bad line
             return _Result(1, None, result.tail, why=f"{ENV_FILE_VAR}: {exc}")
     result.env = (result.env or Env()).then(Env(written))
-    return result
+    return _fits_exec(result, environ)
 
 
 def _supervised(run: _Run, argv: Sequence[str], env: Mapping[str, str], name: str, step: str) -> _Result:
@@ -416,8 +481,11 @@ def _supervised(run: _Run, argv: Sequence[str], env: Mapping[str, str], name: st
     from ma_runtime.verdict import tail
 
     sinks = [Sink(1, "<stdout>"), *([run.task_log.as_console()] if run.task_log else [])]
-    worker = spawn(argv, env, str(run.code_dir), sinks, [logs.stderr_sink(), *sinks[1:]], name=name,
-                   console_prefix=_PREFIXES[step])
+    try:
+        worker = spawn(argv, env, str(run.code_dir), sinks, [logs.stderr_sink(), *sinks[1:]], name=name,
+                       console_prefix=_PREFIXES[step])
+    except RuntimeFailure as failure:  # not started (E2BIG: what an earlier step exported): the step's failure
+        return _Result(int(failure.exit_code), None, [], why=failure.reason, hint=failure.hint)
     seconds = run.spec.hooks_timeout_seconds
     code = _wait(worker.popen, seconds)
     if code is None:
@@ -497,16 +565,12 @@ def _until(lines, delimiter: str, start: int) -> str:
 
 
 class _Record:
-    """A JSON record in the state folder: what was done in this pod (read only by a later runtime there)."""
+    """A JSON record in the state folder: what was done in this pod (read only by a later runtime there). One that
+    does not validate is set aside (records.py), and what it recorded is done again."""
 
-    def __init__(self, path: Path, reuse: bool, private: bool = False):
+    def __init__(self, path: Path, reuse: bool, validate, what: str, then: str, log, private: bool = False):
         self.path, self.private = path, private
-        self.previous = None
-        if reuse:
-            try:
-                self.previous = json.loads(read_regular(path, RECORD_LIMIT) or b"null")
-            except (OSError, ValueError):
-                self.previous = None  # done again
+        self.previous = records.load(path, validate, log, what, then=then) if reuse else None
 
     def matches(self, key: Mapping[str, str]) -> Optional[dict]:
         previous = self.previous
@@ -546,12 +610,18 @@ class _scratch:
 
 
 def _read_dump(path: Path) -> Optional[Dict[str, str]]:
+    """The environment a dump holds; None when there is none, or none that can be used (a scratch file of this run:
+    nothing to set aside)."""
     try:
-        data = json.loads(read_regular(path, RECORD_LIMIT) or b"null")
-    except (OSError, ValueError):
+        return records.read(path, _valid_dump, RECORD_LIMIT)
+    except records.Invalid:
         return None
-    environ = data.get("environ") if isinstance(data, dict) else None
-    return environ if isinstance(environ, dict) else None
+
+
+def _valid_dump(document) -> Dict[str, str]:
+    records.mapping(document, "the dump")
+    records.integer(records.field(document, "status"), "`status`")
+    return records.strings(records.field(document, "environ"), "`environ`")
 
 
 def _first_file(folder: Path, names: Sequence[str]) -> Optional[Path]:

@@ -37,6 +37,7 @@ runtime waits, bounded, for its pid file (written once the port is bound), or st
 import argparse
 import base64
 import binascii
+import errno
 import os
 import re
 import shutil
@@ -49,7 +50,7 @@ from pathlib import Path
 from typing import List, Mapping, Optional, Sequence
 
 from ma_runtime import children
-from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
+from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut, too_large_for_exec
 from ma_runtime.files import NotAFile, read_regular, write_atomically
 
 PLACEHOLDER = "{{MY_SSHD_PORT}}"
@@ -330,13 +331,18 @@ def _keygen(path: Path, keygen: str, what: str, comment: Optional[str] = None) -
     if path.is_file():
         return path
     argv = [keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(path), *(["-C", comment] if comment else [])]
-    with children.owned(lambda: subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.STDOUT)) as proc:
-        try:
-            output, _ = proc.communicate(timeout=_KEYGEN_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
+    try:
+        with children.owned(lambda: subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.STDOUT)) as proc:
+            try:
+                output, _ = proc.communicate(timeout=_KEYGEN_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+    except OSError as exc:  # it could not be started: one line, E2BIG with the sizes
+        why = too_large_for_exec(argv, os.environ) if exc.errno == errno.E2BIG else exc.strerror or str(exc)
+        raise ConfigError(f"cannot make {what} {path}: cannot run {keygen}: {why}",
+                          hint="check that ssh-keygen works") from None
     if proc.returncode != 0 or not path.is_file():
         last = output.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         raise ConfigError(f"cannot make {what} {path}: {last[0]}", hint="check that ssh-keygen works")

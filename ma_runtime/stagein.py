@@ -14,7 +14,7 @@ one warning naming it, and so do writers' scratch files (`.tmp*`, MA_RUNTIME_SYN
 fetched are given one modification time, so that resume.py's choice among them goes by name.
 
 What was staged is recorded in `${MA_MOUNT_PATH}/.ma-runtime/staged.json` (written
-atomically, never over something that is not a regular file); a restart in the
+atomically; one that is not an object of strings is set aside, records.py); a restart in the
 same pod (MA_PROC_START_CNT > 1) does not fetch it again. The platform's size
 limits (docs/platform.md, D13) are warnings, not errors.
 
@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from ma_runtime import records
 from ma_runtime.errors import ConfigError
-from ma_runtime.files import RECORD_LIMIT, read_regular, write_atomically
+from ma_runtime.files import write_atomically
 from ma_runtime.spec import Channel, JobSpec
 from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import ObjectInfo, StorageError
@@ -91,7 +92,7 @@ def stage_in(spec: JobSpec, environ, log, attempt: Optional[int] = None) -> Stag
 
 def _stage_all(spec: JobSpec, environ, log, attempt: int) -> Staged:
     staged = Staged()
-    record = _Record(spec.state_dir / "staged.json", reuse=attempt > 1)
+    record = _Record(spec.state_dir / "staged.json", reuse=attempt > 1, log=log)
     if spec.code_url:
         _fetch(spec, environ, log, record, "code", storage_url.parse(spec.code_url), code_dir(spec))
     for channel in spec.inputs:
@@ -244,15 +245,14 @@ class _CompleteUnits:
 class _Record:
     """staged.json: URL and target -> the path given to the command, written after each success."""
 
-    def __init__(self, path: Path, reuse: bool):
+    def __init__(self, path: Path, reuse: bool, log):
         self.path = path
         self.entries: Dict[str, str] = {}
-        if reuse:
-            try:
-                loaded = json.loads(read_regular(path, RECORD_LIMIT) or b"{}")  # a FIFO there is refused, not waited on
-            except (OSError, ValueError):
-                loaded = {}  # what cannot be read is fetched again; writing the record then says what is wrong
-            self.entries = loaded if isinstance(loaded, dict) else {}
+        if reuse:  # a record that is not an object of strings is set aside: what it listed is fetched again
+            self.entries = records.load(path, functools.partial(records.strings, where="the record"), log,
+                                        "the stage-in record", then="what it listed is fetched again") or {}
+        else:  # not read, but written: a FIFO or a folder in its place must not fail the stage
+            records.make_way(path, log, "the stage-in record")
 
     def get(self, url: str, target: Path) -> Optional[str]:
         found = self.entries.get(f"{url} -> {target}")

@@ -11,12 +11,14 @@ checks do not log, so they hand the runner a message and its fields instead.
 
 import dataclasses
 import enum
+import errno
 import os
 import signal
 import subprocess
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ma_runtime import children
+from ma_runtime.errors import too_large_for_exec
 
 # A message and its fields, which the runner logs while a check is still waiting.
 Progress = Callable[[str, Dict[str, Any]], None]
@@ -87,7 +89,8 @@ def run_tool(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] 
     except FileNotFoundError:
         raise ToolError("missing", f"{argv[0]} not found on PATH") from None
     except OSError as exc:
-        raise ToolError("failed", f"{argv[0]} could not run: {exc.strerror}") from None
+        why = too_large_for_exec(argv, os.environ if env is None else env) if exc.errno == errno.E2BIG else exc.strerror
+        raise ToolError("failed", f"{argv[0]} could not run: {why}") from None
     return proc.returncode, out, err
 
 

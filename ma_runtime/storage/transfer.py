@@ -44,9 +44,10 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ma_runtime.files import RECORD_LIMIT, NotAFile, kind_of, open_append, read_regular, write_atomically
+from ma_runtime import records
+from ma_runtime.files import NotAFile, kind_of, open_append, write_atomically
 from ma_runtime.storage import safety
 from ma_runtime.storage.base import CorruptTransfer, FileChanged, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.progress import MB, Progress
@@ -215,7 +216,7 @@ def download(store, location: Location, dest: Path, options: TransferOptions, lo
 def _fetch(store, location: Location, dest: Path, options: TransferOptions, items: List[_Item], refused: List[str],
            staging: "_Staging", log) -> Tuple[int, List[_Item]]:
     """(bytes moved, items fetched): the items not already in place, on one pool."""
-    journal = _Journal(options.state_dir / f"{name_digest(location.text, dest)}.journal")
+    journal = _Journal(options.state_dir / f"{name_digest(location.text, dest)}.journal", log)
     todo = [item for item in items if not _already_there(item, journal)]
     log.info("download started", url=location.text, dest=str(dest), files=len(todo),
              bytes=sum(item.info.size for item in todo), skipped=len(items) - len(todo), refused=len(refused))
@@ -543,8 +544,9 @@ class _LargeFile:
         return {"url": self.item.url, "size": info.size, "etag": info.etag, "part_size": self.part_size}
 
     def _resume(self) -> bool:
-        record = _read_json(self.record_path)
-        if not record or any(record.get(k) != v for k, v in self._record_identity().items()):
+        record = records.load(self.record_path, _valid_download, self.fetcher.log, "a download's record",
+                              then="the file is downloaded from its start")
+        if not record or any(record[k] != v for k, v in self._record_identity().items()):
             return False  # none, or the object (size/etag) or the part size changed: start over
         try:
             fd = os.open(self.partial, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -555,7 +557,7 @@ class _LargeFile:
             os.close(fd)
             return False
         self.fd = fd
-        self.done = {index for index in record.get("done", []) if isinstance(index, int) and 0 <= index < self.parts}
+        self.done = set(record["done"])
         self.fetcher.log.info("download resumed", url=self.item.url, parts_done=len(self.done), parts=self.parts)
         return True
 
@@ -711,17 +713,15 @@ class Multipart:
         return self._complete()
 
     def _resume(self) -> bool:
-        try:
-            record = _read_json(self.record_path)
-        except OSError:  # an unusable state folder: nothing to resume from
-            record = None
-        if not record or not record.get("upload_id"):
+        record = records.load(self.record_path, _valid_upload, self.log, "an upload's record",
+                              then="the file is uploaded from its start")
+        if not record or not record["upload_id"]:
             return False
         self.upload_id = record["upload_id"]
-        if any(record.get(k) != v for k, v in self.identity.items()):
+        if any(record[k] != v for k, v in self.identity.items()):
             self._abort()  # the file (or part size) changed: the old upload's parts can never be used
             return False
-        self.etags = {int(number): etag for number, etag in record.get("parts", {}).items()}
+        self.etags = {int(number): etag for number, etag in record["parts"].items()}
         self.log.info("upload resumed", url=self.url, parts_done=len(self.etags), parts=self.parts)
         return True
 
@@ -839,8 +839,9 @@ def settle_uploads(store, state_dir: Path, url_prefix: str, still_same: Callable
     names its key: every unfinished upload of that key is aborted. Returns how many were aborted."""
     aborted = 0
     for record_path in sorted(Path(state_dir).glob("*.upload.json")):
-        record = _read_json(record_path)
-        if not record or not str(record.get("url", "")).startswith(url_prefix) or "bucket" not in record:
+        record = records.load(record_path, _valid_upload, log, "an upload's record",
+                              then="its upload, if any, is left to the store's lifecycle rules")
+        if not record or not record["url"].startswith(url_prefix):
             continue
         if record.get("upload_id") and still_same(record):
             continue
@@ -870,6 +871,10 @@ def _upload_part_size(wanted: int, size: int) -> int:
 # --------------------------------------------------------------------------- files and records
 
 
+# How every line of a journal begins (json.dumps of {"key": ..., "etag": ...}): what a torn line still shows.
+_JOURNAL_LINE_START = '{"key": '
+
+
 class _Journal:
     """The ETag each file of one download was written from, as JSON lines appended as files land.
 
@@ -881,27 +886,17 @@ class _Journal:
     starts on a line of its own. A store without ETags writes no journal.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, log):
         self.path = path
         self.lock = threading.Lock()
         self.fd: Optional[int] = None
         self.pending: List[str] = []
         self.torn = False  # the file ends inside a line: the next batch starts on a new one
-        self.etags = self._read()
-
-    def _read(self) -> Dict[str, Optional[str]]:
-        etags: Dict[str, Optional[str]] = {}
-        data = read_regular(self.path, RECORD_LIMIT)  # NotAFile (an OSError) for a FIFO or a folder there
-        if not data:
-            return etags
-        self.torn = not data.endswith(b"\n")
-        for line in data.decode("utf-8", "surrogateescape").splitlines():
-            try:
-                entry = json.loads(line)
-                etags[entry["key"]] = entry["etag"]
-            except (ValueError, KeyError, TypeError):
-                continue
-        return etags
+        self.etags: Dict[str, Optional[str]] = {}
+        found = records.load(path, lambda journal: journal, log, "a download's journal",
+                             then="files already in place are taken by their size", parse=_parse_journal)
+        if found is not None:
+            self.etags, self.torn = found
 
     def lookup(self, key: str) -> Tuple[bool, Optional[str]]:
         return key in self.etags, self.etags.get(key)
@@ -1088,14 +1083,67 @@ def md5_of(fd: int, size: int) -> str:
     return digest.hexdigest()
 
 
-def _read_json(path: Path) -> Optional[dict]:
-    """The record, or None: none yet, or torn (either way there is nothing to resume). NotAFile (an OSError)
-    when something else sits there."""
-    try:
-        data = json.loads(read_regular(path, RECORD_LIMIT) or b"null")
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
+def _valid_download(document: Any) -> dict:
+    """A download's record: the object's identity as listed, the part size, and the parts already in the file."""
+    records.exactly(records.mapping(document, "the record"), ("url", "size", "etag", "part_size", "done"),
+                    "the record")
+    records.text(document["url"], "`url`")
+    records.text(document["etag"], "`etag`", optional=True)
+    parts = _parts_of(document)
+    done = document["done"]
+    if not isinstance(done, list):
+        raise records.Invalid(f"`done`: a list is wanted, found {records.described(done)}")
+    for index in done:
+        records.integer(index, "`done`: a part", 0, parts - 1)
+    return document
+
+
+_UPLOAD_FIELDS = ("url", "bucket", "key", "path", "size", "mtime_ns", "ino", "part_size", "upload_id", "parts")
+
+
+def _valid_upload(document: Any) -> dict:
+    """An upload's record: the file's identity, the upload id ("" before the upload was created), the parts sent."""
+    records.mapping(document, "the record")
+    records.exactly({name: value for name, value in document.items() if name != "started"}, _UPLOAD_FIELDS,
+                    "the record")
+    for name in ("url", "bucket", "key", "path", "upload_id"):
+        records.text(document[name], f"`{name}`")
+    records.integer(document["mtime_ns"], "`mtime_ns`")
+    records.integer(document["ino"], "`ino`", 0)
+    if "started" in document:
+        records.number(document["started"], "`started`")
+    parts = _parts_of(document)
+    for number, etag in records.mapping(document["parts"], "`parts`").items():
+        if not (number.isascii() and number.isdigit() and 1 <= int(number) <= parts):
+            raise records.Invalid(f"`parts`: a part number that is not one of 1..{parts}")
+        records.text(etag, "`parts`: an ETag")
+    return document
+
+
+def _parts_of(document: dict) -> int:
+    """How many parts the record's `size` and `part_size` make."""
+    size = records.integer(document["size"], "`size`", 0)
+    return -(-size // records.integer(document["part_size"], "`part_size`", 1))
+
+
+def _parse_journal(data: bytes) -> Tuple[Dict[str, Optional[str]], bool]:
+    """(key -> ETag, whether the last line is torn). A line a crash cut short (a start of `{"key": ...`: the last
+    line, or one the next batch's newline ended) is skipped; any other line that is not {"key": str, "etag": str}
+    makes the journal Invalid."""
+    etags: Dict[str, Optional[str]] = {}
+    torn = bool(data) and not data.endswith(b"\n")
+    lines = data.split(b"\n")
+    for line in lines[:-1]:  # the last is b"" after a newline, or the torn line
+        text = line.decode("utf-8", "surrogateescape")  # as written: a key may hold bytes that are not UTF-8
+        try:
+            entry = records.decode_text(text)
+        except records.NotJSON:
+            if text.startswith(_JOURNAL_LINE_START) or _JOURNAL_LINE_START.startswith(text):
+                continue
+            raise
+        records.exactly(records.mapping(entry, "a line"), ("key", "etag"), "a line")
+        etags[records.text(entry["key"], "a line's `key`")] = records.text(entry["etag"], "a line's `etag`")
+    return etags, torn
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -7,7 +7,7 @@ import subprocess
 import time
 from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence
 
-from ma_runtime.errors import CommandNotExecutable, CommandNotFound
+from ma_runtime.errors import TOO_LARGE_HINT, CommandNotExecutable, CommandNotFound, too_large_for_exec
 from ma_runtime.output import LinePump, Sink, SinkSpec
 
 # States of a process that cannot run: stopped by a signal, or by a tracer.
@@ -59,7 +59,7 @@ def spawn(
     console_prefix: Optional[bytes] = None,
     pass_fds: Sequence[int] = (),
 ) -> Worker:
-    """Starts `argv` as the leader of a new session; raises CommandNotFound/NotExecutable.
+    """Starts `argv` as the leader of a new session; raises CommandNotFound/NotExecutable (E2BIG too: the sizes).
 
     With `console_prefix` (e.g. b"[rank 3] "), every line sent to a console sink
     (`Sink.console`) starts with it; the other sinks (a log file) get raw lines.
@@ -68,10 +68,11 @@ def spawn(
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pipe_inodes = (os.fstat(out_r).st_ino, os.fstat(err_r).st_ino)
+    env = dict(env)
     try:
         popen = subprocess.Popen(
             list(argv),
-            env=dict(env),
+            env=env,
             cwd=cwd,
             stdout=out_w,
             stderr=err_w,
@@ -86,7 +87,7 @@ def spawn(
     except OSError as exc:
         for fd in (out_r, err_r):
             os.close(fd)
-        raise _exec_failure(argv, cwd, exc) from None
+        raise _exec_failure(argv, cwd, exc, env) from None
     finally:
         os.close(out_w)
         os.close(err_w)
@@ -106,8 +107,10 @@ def _with_prefix(sinks: Sequence[Sink], prefix: Optional[bytes]) -> List[SinkSpe
     return [(sink, prefix) if sink.console else sink for sink in sinks]
 
 
-def _exec_failure(argv: Sequence[str], cwd: Optional[str], exc: OSError):
+def _exec_failure(argv: Sequence[str], cwd: Optional[str], exc: OSError, env: Mapping[str, str]):
     program = argv[0]
+    if exc.errno == errno.E2BIG:  # one line with the sizes: "Argument list too long" names neither
+        return CommandNotExecutable(f"cannot execute {program}: {too_large_for_exec(argv, env)}", hint=TOO_LARGE_HINT)
     if exc.errno == errno.ENOENT and cwd and exc.filename == cwd:
         return CommandNotFound(f"working directory {cwd} does not exist", hint="create it or start elsewhere")
     if exc.errno == errno.ENOENT:

@@ -19,6 +19,7 @@ are resumed from their records.
 """
 
 import dataclasses
+import errno
 import json
 import os
 import select
@@ -31,6 +32,7 @@ from typing import List, Mapping, Optional, Tuple
 
 import ma_runtime
 from ma_runtime import children
+from ma_runtime.errors import TooLargeForExec
 
 DIED_EVENT = "output and log upload process exited; files will no longer be synced"
 RESTARTS = 1
@@ -86,10 +88,15 @@ class Uploader:
     def _spawn(self) -> None:
         """Under self.lock. A new process, its channel, its watcher; the previous channel, if any, closed."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # neither inheritable (PEP 446)
+        argv = [sys.executable, "-I", "-c", _BOOT, _HOME, "--channel", str(theirs.fileno())]
         try:
             proc = children.start_helper(lambda: subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, _HOME, "--channel", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True))
+                argv, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True))
+        except OSError as exc:
+            ours.close()
+            if exc.errno == errno.E2BIG:  # the warning that follows gives the sizes, not "Argument list too long"
+                raise TooLargeForExec(argv, os.environ) from None
+            raise
         except BaseException:
             ours.close()
             raise

@@ -107,7 +107,7 @@ class ChannelSync:
         self.url_prefix = object_url(self.location, self.prefix)
         self.options = dataclasses.replace(options, state_dir=Path(state_dir) / "parts")
         self.manifest = Manifest.load(Path(state_dir) / f"{name_digest(target.url, target.root)}.manifest.json",
-                                      target.url)
+                                      target.url, log)
         self.seen: Dict[str, tuple] = {}  # the identity of each changed file at the last look
         self.whole: Dict[str, tuple] = {}  # the identity at the last look that found the file whole
         self.refused: Dict[str, tuple] = {}  # set aside: the store refused this version of the file

@@ -3,17 +3,20 @@
 One JSON document per channel in `${state dir}/sync/`, outside every synced tree (a manifest inside the tree
 would be uploaded, and a job could overwrite it). Written atomically (files.py) after a cycle that changed
 it, and every SAVE_SECONDS during a long one: a runtime killed mid-cycle re-sends at most what it sent
-since. A manifest that cannot be read is started afresh: the cost is one upload of each file, never a
-wrong skip. At start the sync checks it against a listing of the store (`keep_listed`): an object deleted
-or replaced behind our back is uploaded again.
+since. A manifest that does not validate entry by entry is set aside (records.py) and started afresh: the
+cost is one more look at each file (an upload, or its MD5 against the store's), never a wrong skip. At start
+the sync checks it against a listing of the store (`keep_listed`): an object deleted or replaced behind our
+back is uploaded again.
 """
 
+import functools
 import json
 import time
 from pathlib import Path
-from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
 
-from ma_runtime.files import RECORD_LIMIT, read_regular, write_atomically
+from ma_runtime import records
+from ma_runtime.files import write_atomically
 
 VERSION = 1
 SAVE_SECONDS = 2.0  # during a long cycle; at its end always
@@ -34,18 +37,13 @@ class Manifest:
         self._saved_at = time.monotonic()
 
     @classmethod
-    def load(cls, path: Path, url: str) -> "Manifest":
+    def load(cls, path: Path, url: str, log) -> "Manifest":
+        """The manifest at `path`, empty when there is none, when it is another channel's or another version's, or
+        when it is damaged (then set aside, records.py: every file is checked against the store again)."""
         manifest = cls(path, url)
-        try:
-            document = json.loads(read_regular(path, RECORD_LIMIT) or b"null")
-        except (OSError, ValueError):
-            document = None
-        if isinstance(document, dict) and document.get("version") == VERSION and document.get("url") == url:
-            try:
-                for relative, (size, mtime_ns, ino, md5, etag) in document["files"].items():
-                    manifest.files[relative] = Record((size, mtime_ns, ino), md5, etag)
-            except (AttributeError, KeyError, TypeError, ValueError):  # not ours, or edited: start afresh
-                manifest.files = {}
+        manifest.files = records.load(
+            path, functools.partial(_valid, url=url), log, "the sync manifest",
+            then="each file of the channel is looked at again (uploaded, or its MD5 compared with the store's)") or {}
         return manifest
 
     def get(self, relative: str) -> Optional[Record]:
@@ -80,3 +78,34 @@ class Manifest:
 
     def relatives(self) -> Iterable[str]:
         return list(self.files)
+
+
+def _valid(document: Any, url: str) -> Dict[str, Record]:
+    """The files of a manifest of this channel ({} for another channel's, or another version's: not ours to judge);
+    records.Invalid for anything a save of ours could not have written."""
+    records.mapping(document, "the manifest")
+    if records.integer(records.field(document, "version"), "`version`", 1) != VERSION:
+        return {}  # another version's: its format is not this one's to judge
+    if records.text(records.field(document, "url"), "`url`") != url:
+        return {}
+    result: Dict[str, Record] = {}
+    for relative, entry in records.mapping(records.field(document, "files"), "`files`").items():
+        if not _relative(relative):
+            raise records.Invalid("`files`: a name that is not a relative path inside the channel's folder")
+        if type(entry) is not list or len(entry) != 5:
+            raise records.Invalid(f"`files`: an entry is {records.described(entry)}, not [size, mtime_ns, inode, "
+                                  "md5, etag]")
+        size, mtime_ns, ino, md5, etag = entry
+        if not (type(size) is int and 0 <= size <= records.INT_MAX and type(mtime_ns) is int
+                and records.INT_MIN <= mtime_ns <= records.INT_MAX and type(ino) is int and 0 <= ino <= records.INT_MAX
+                and (md5 is None or type(md5) is str) and (etag is None or type(etag) is str)):
+            raise records.Invalid("`files`: an entry is not [size >= 0, mtime_ns, inode >= 0, md5 or null, "
+                                  "etag or null]")
+        result[relative] = Record((size, mtime_ns, ino), md5, etag)
+    return result
+
+
+def _relative(name: str) -> bool:
+    """A path a walk of the folder gives: `a/b.txt`, never absolute, empty, `.`, `..` or holding a NUL."""
+    return bool(name) and "\0" not in name and not name.startswith("/") and all(
+        part not in ("", ".", "..") for part in name.split("/"))

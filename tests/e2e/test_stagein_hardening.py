@@ -147,19 +147,24 @@ def test_a_bucket_of_hostile_keys_stages_the_rest_and_names_what_it_refused(tmp_
     assert "refused=2" in result.stderr
 
 
+@pytest.mark.parametrize("start", ["1", "2"])
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
-def test_something_else_at_the_stage_in_record_fails_cleanly_and_stays(tmp_path, job_env, kind):
+def test_something_else_at_the_stage_in_record_is_set_aside_and_kept(tmp_path, job_env, kind, start):
+    """Issue 24: a record that is not one (read on a restart, written on a first start) is set aside, kept under
+    another name, with one warning; the code is fetched and the run goes on."""
     source = tmp_path / "code"
     source.mkdir()
     (source / "train.py").write_bytes(b"print('hi')\n")
     record = mount(job_env) / ".ma-runtime" / "staged.json"
     record.parent.mkdir(parents=True)
     os.mkfifo(record) if kind == "fifo" else record.mkdir()
-    job_env.update(MA_RUNTIME_CODE_URL=f"{source}/", MA_PROC_START_CNT="2")  # a restart reads the record first
+    job_env.update(MA_RUNTIME_CODE_URL=f"{source}/", MA_PROC_START_CNT=start)  # 2: a restart reads the record first
 
     result = run_ma(["true"], job_env, timeout=60)
 
-    assert result.returncode == 80 and "Traceback" not in result.stderr
-    (line,) = error_lines(result)
-    assert str(record) in line and "is in the way" in line
-    assert stat.S_ISFIFO(os.lstat(record).st_mode) if kind == "fifo" else record.is_dir()
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if 'msg="record set aside"' in line]
+    assert f"path={record}" in line and ("a FIFO" if kind == "fifo" else "a directory") in line
+    (kept,) = record.parent.glob("staged.json.set-aside-*")
+    assert stat.S_ISFIFO(os.lstat(kept).st_mode) if kind == "fifo" else kept.is_dir()
+    assert json.loads(record.read_text())  # the record of this run's stage-in

@@ -2,6 +2,7 @@
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,7 @@ from ma_runtime import attempt as attempt_module
 from ma_runtime import spec as spec_module
 from ma_runtime.attempt import Attempt, Policy
 from ma_runtime.supervise.supervisor import State
+from tests.recording import Log
 
 
 def verdict(code=5, state=State.FAILED, line="boom"):
@@ -83,19 +85,19 @@ def spec(tmp_path):
 
 
 def test_a_runtime_that_died_unfinished_is_continued(spec):
-    log = types.SimpleNamespace(info=lambda *a, **k: None)
+    log = Log()
     attempt_module.record(spec, Attempt(2, "old", 1))
     assert attempt_module.first(spec, "new", log) == Attempt(3, "new", 1)
 
 
 def test_a_finished_run_starts_afresh(spec):
-    log = types.SimpleNamespace(info=lambda *a, **k: None)
+    log = Log()
     attempt_module.record(spec, Attempt(2, "old", 1), finished=True)
     assert attempt_module.first(spec, "new", log) == Attempt(1, "new", 1)
 
 
 def test_another_pod_or_schedule_does_not_continue_the_record(spec, tmp_path):
-    log = types.SimpleNamespace(info=lambda *a, **k: None)
+    log = Log()
     attempt_module.record(spec, Attempt(2, "old", 1))
     rescheduled = spec_module.load({}, {"MA_HOME": str(tmp_path), "MA_VJ_NAME": "ma-job-1", "VC_TASK_INDEX": "2",
                                         "MA_SCHEDULE_CNT": "2"})
@@ -103,7 +105,7 @@ def test_another_pod_or_schedule_does_not_continue_the_record(spec, tmp_path):
 
 
 def test_the_platforms_count_is_a_floor(spec, tmp_path):
-    log = types.SimpleNamespace(info=lambda *a, **k: None)
+    log = Log()
     attempt_module.record(spec, Attempt(2, "old", 1))
     later = spec_module.load({}, {"MA_HOME": str(tmp_path), "MA_VJ_NAME": "ma-job-1", "VC_TASK_INDEX": "2",
                                   "MA_PROC_START_CNT": "7"})
@@ -111,12 +113,15 @@ def test_the_platforms_count_is_a_floor(spec, tmp_path):
 
 
 @pytest.mark.parametrize("content", [b"", b"not json", b"[]", b'{"attempt": "2"}', b"\xff" * 10])
-def test_an_unreadable_record_starts_from_the_platforms_count(spec, content):
-    log = types.SimpleNamespace(info=lambda *a, **k: None)
+def test_an_unreadable_record_is_set_aside_and_the_run_starts_from_the_platforms_count(spec, content):
+    log = Log()
     path = attempt_module.record_path(spec)
     path.parent.mkdir(parents=True)
     path.write_bytes(content)
     assert attempt_module.first(spec, "new", log).number == 1
+    (warning,) = log.fields("record set aside", "warning")
+    assert warning["path"] == str(path) and not path.exists()
+    assert Path(warning["kept_as"]).read_bytes() == content  # kept, for whoever wants to look
 
 
 def test_the_record_names_the_pod(spec):

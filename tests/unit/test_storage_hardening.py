@@ -283,36 +283,43 @@ def _in_a_thread(function, timeout=20):
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
-def test_a_fifo_or_a_directory_at_the_journal_fails_the_download_without_hanging(tmp_path, kind):
+def test_a_fifo_or_a_directory_at_the_journal_is_set_aside_without_hanging(tmp_path, kind):
+    """Issue 24: a record that is not one is set aside (kept, renamed), and the download goes on without it."""
     location = _local_source(tmp_path, {"a.txt": b"a"})
     dest = tmp_path / "dest"
     state = tmp_path / "state"
     state.mkdir()
     journal = state / f"{transfer.name_digest(location.text, dest)}.journal"
     os.mkfifo(journal) if kind == "fifo" else journal.mkdir()
+    log = Log()
     try:
-        hung, error = _in_a_thread(lambda: transfer.download(LocalStore(), location, dest, options(tmp_path), Log()))
+        hung, error = _in_a_thread(lambda: transfer.download(LocalStore(), location, dest, options(tmp_path), log))
     finally:
-        if kind == "fifo":  # releases a reader the old code left blocked
-            os.close(os.open(journal, os.O_RDWR | os.O_NONBLOCK))
+        if kind == "fifo" and os.path.exists(journal) and stat.S_ISFIFO(os.lstat(journal).st_mode):
+            os.close(os.open(journal, os.O_RDWR | os.O_NONBLOCK))  # releases a reader the old code left blocked
 
     assert not hung, "the download waited on the FIFO"
-    assert isinstance(error, StorageError) and "is in the way" in str(error) and str(journal) in str(error)
-    assert stat.S_ISFIFO(os.lstat(journal).st_mode) if kind == "fifo" else journal.is_dir()
+    assert error is None and (dest / "a.txt").read_bytes() == b"a"
+    (warning,) = [fields for level, event, fields in log.records if event == "record set aside"]
+    assert warning["path"] == str(journal) and ("FIFO" if kind == "fifo" else "directory") in warning["problem"]
+    kept = Path(warning["kept_as"])
+    assert stat.S_ISFIFO(os.lstat(kept).st_mode) if kind == "fifo" else kept.is_dir()
 
 
-def test_a_directory_at_a_part_record_fails_the_download_and_is_left_alone(tmp_path):
+def test_a_directory_at_a_part_record_is_set_aside_and_the_download_completes(tmp_path):
     big = os.urandom(10 * MiB)
     location = _local_source(tmp_path, {"big.bin": big})
     dest = tmp_path / "dest"
     url = str(Path(location.key) / "big.bin")
     record = tmp_path / "state" / f"{transfer.name_digest(url, dest / 'big.bin')}.download.json"
     record.mkdir(parents=True)
+    log = Log()
 
-    with pytest.raises(StorageError, match="is in the way"):
-        transfer.download(LocalStore(), location, dest, options(tmp_path), Log())
+    transfer.download(LocalStore(), location, dest, options(tmp_path), log)
 
-    assert record.is_dir() and not (dest / "big.bin").exists()
+    assert (dest / "big.bin").read_bytes() == big
+    (warning,) = [fields for level, event, fields in log.records if event == "record set aside"]
+    assert warning["path"] == str(record) and Path(warning["kept_as"]).is_dir()
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory"])

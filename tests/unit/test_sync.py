@@ -359,12 +359,12 @@ def test_scan_skips_what_cannot_be_synced_with_one_warning_per_path_across_scans
 
 def test_manifest_round_trip(tmp_path):
     path = tmp_path / "state" / "m.manifest.json"
-    manifest = Manifest.load(path, "obs://b/out/")
+    manifest = Manifest.load(path, "obs://b/out/", Log())
     manifest.put("a.txt", Record((1, 2, 3), "0" * 32, "etag-a"))
     manifest.put("ck/big.bin", Record((10, 20, 30), None, "etag-big-2"))
     manifest.save()
 
-    loaded = Manifest.load(path, "obs://b/out/")
+    loaded = Manifest.load(path, "obs://b/out/", Log())
 
     assert loaded.files == manifest.files
     assert not loaded.dirty
@@ -383,28 +383,36 @@ def test_manifest_round_trip(tmp_path):
 ])
 def test_an_unusable_manifest_starts_afresh(tmp_path, content):
     path = tmp_path / "m.manifest.json"
-    manifest = Manifest.load(path, "obs://b/out/")
+    manifest = Manifest.load(path, "obs://b/out/", Log())
     manifest.put("a.txt", Record((1, 2, 3), "0" * 32, "etag-a"))
     manifest.put("b.txt", Record((4, 5, 6), "1" * 32, "etag-b"))
     manifest.save()
     path.write_bytes(content(path.read_bytes()))
 
-    assert Manifest.load(path, "obs://b/out/").files == {}
+    assert Manifest.load(path, "obs://b/out/", Log()).files == {}
 
 
 @pytest.mark.parametrize("what", ["fifo", "folder"])
-def test_something_else_at_the_manifests_path_starts_afresh_without_blocking(tmp_path, what):
+def test_something_else_at_the_manifests_path_is_set_aside_without_blocking(tmp_path, what):
     path = tmp_path / "m.manifest.json"
     if what == "fifo":
         os.mkfifo(path)
     else:
         path.mkdir()
+    log = Log()
 
-    assert Manifest.load(path, "obs://b/out/").files == {}
+    manifest = Manifest.load(path, "obs://b/out/", log)
+
+    assert manifest.files == {}
+    (warning,) = log.fields("record set aside", "warning")
+    assert not os.path.lexists(path) and os.path.lexists(warning["kept_as"])
+    manifest.put("a.txt", Record((1, 2, 3), None, "e"))
+    manifest.save()  # the path is free again for the manifest
+    assert Manifest.load(path, "obs://b/out/", Log()).files == manifest.files
 
 
 def test_keep_listed_forgets_entries_whose_object_is_missing_or_replaced(tmp_path):
-    manifest = Manifest.load(tmp_path / "m.json", "obs://b/out/")
+    manifest = Manifest.load(tmp_path / "m.json", "obs://b/out/", Log())
     manifest.put("same.txt", Record((1, 1, 1), None, "e1"))
     manifest.put("replaced.txt", Record((2, 2, 2), None, "e2"))
     manifest.put("missing.txt", Record((3, 3, 3), None, "e3"))

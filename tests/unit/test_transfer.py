@@ -302,24 +302,24 @@ def test_a_changed_object_of_the_same_size_is_fetched_again(obs_endpoint, tmp_pa
 
 def test_the_journal_writes_in_batches_and_keeps_every_line(tmp_path):
     path = tmp_path / "j.journal"
-    journal = transfer._Journal(path)
+    journal = transfer._Journal(path, Log())
     count = transfer.JOURNAL_BATCH + 7
     for index in range(count):
         journal.add(f"k{index}", f"etag{index}")
     assert len(path.read_text().splitlines()) == transfer.JOURNAL_BATCH  # one batch out, the rest pending
     journal.close()
 
-    assert transfer._Journal(path).etags == {f"k{index}": f"etag{index}" for index in range(count)}
+    assert transfer._Journal(path, Log()).etags == {f"k{index}": f"etag{index}" for index in range(count)}
 
 
 def test_a_torn_journal_line_does_not_swallow_the_next_batch(tmp_path):
     path = tmp_path / "j.journal"
     path.write_text('{"key": "a", "etag": "1"}\n{"key": "b", "et')  # a crash mid-line
-    journal = transfer._Journal(path)
+    journal = transfer._Journal(path, Log())
     journal.add("c", "3")
     journal.close()
 
-    assert transfer._Journal(path).etags == {"a": "1", "c": "3"}
+    assert transfer._Journal(path, Log()).etags == {"a": "1", "c": "3"}
 
 
 def test_files_whose_journal_lines_were_lost_are_kept_when_their_size_is_right(tmp_path):
