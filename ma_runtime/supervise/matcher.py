@@ -18,6 +18,7 @@ with ANSWER: (messages done, messages with a match, lines skipped), all counted 
 socket: it exits.
 """
 
+import os
 import re
 import signal
 import socket
@@ -35,6 +36,9 @@ TICK_SECONDS = 0.05
 TICKS_PER_LINE = 5
 MESSAGE_TICKS = 20
 LINE_CPU_SECONDS = TICK_SECONDS * TICKS_PER_LINE
+# The matcher's niceness once a line has used up its CPU: a tenth of a core against one busy process of the job,
+# enough to answer well within the runtime's STALL_SECONDS (supervise/progress.py).
+POLITE_NICE = 10
 
 
 class _OverBudget(Exception):
@@ -117,6 +121,10 @@ def serve(channel: socket.socket) -> int:
             return 0
         while message:
             found, lost = matches(pattern, message.decode("utf-8", "replace").replace("\r", "\n"))
+            if lost and not skipped:
+                # The pattern is proven to backtrack: the CPU it burns on such lines (each up to the limit) should
+                # come from what the job leaves idle, not from the job.
+                os.nice(POLITE_NICE)
             done, matched, skipped = done + 1, matched + found, skipped + lost
             if found or lost:
                 break  # said at once, not after the batch: the progress, the warning, a matcher that is not stuck

@@ -15,7 +15,8 @@ library only), and the runtime only hands it lines:
   falls behind has lines dropped, and counted; the workers' output never waits for it. A progress line lost
   that way only delays the progress (the next one counts).
 - The matcher gives each search matcher.LINE_CPU_SECONDS of CPU at most: a line that takes more is skipped (not
-  progress), the next lines are matched as usual, and one warning names the setting and how to fix it.
+  progress), the next lines are matched as usual (the matcher at a lower priority from then on), and one warning
+  names the setting and how to fix it.
 - A reader thread takes its answers (counts of messages matched) and calls `on_progress`, and sends what the
   pumps left waiting. A matcher that dies, or does not answer for STALL_SECONDS while it has lines, is killed
   and started again (RESTARTS times per attempt; then the pattern is off for the attempt, with a warning).

@@ -16,7 +16,7 @@ import pytest
 
 from ma_runtime import children, output
 from ma_runtime.spec import BadValue, _regex
-from ma_runtime.supervise import progress
+from ma_runtime.supervise import matcher, progress
 from ma_runtime.supervise.progress import ProgressSink
 from ma_runtime.sync.units import Units
 
@@ -119,6 +119,9 @@ def test_a_line_that_backtracks_is_skipped_with_one_warning_and_the_next_progres
         sink.write(b"step 2\n")
         settle(sink)
         assert beats.count == 2
+        # Proven to backtrack, the matcher burns what the job leaves idle.
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, sink.proc.pid) == min(19, ours + matcher.POLITE_NICE)
     finally:
         sink.close()
     assert sink.skipped == 2
