@@ -147,6 +147,27 @@ def test_normal_patterns_match_and_a_chunk_without_a_match_is_no_progress(warnin
     assert warnings.seen == []
 
 
+def test_many_pumps_write_at_once(warnings):
+    """One sink takes every rank's stdout and stderr pumps: lines from many threads at once stay whole lines."""
+    beats = Beats()
+    sink = ProgressSink(r"^step \d+ of rank \d+$", beats)
+
+    def pump(rank):
+        for n in range(2000):
+            sink.write(b"loss 0.1\nstep %d of rank %d\n" % (n, rank))
+
+    try:
+        threads = [threading.Thread(target=pump, args=(rank,)) for rank in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        settle(sink)
+        assert beats.count >= 1 and sink.matched == sink.answered  # every message sent held a whole step line
+    finally:
+        sink.close()
+
+
 def test_progress_bars_redrawn_with_carriage_returns_count(warnings):
     """tqdm never prints `\\n`: each `\\r` ends a line, so `^` anchors at each redraw."""
     beats = Beats()
