@@ -494,6 +494,8 @@ class _Watch:
         return self.stacks.worker_env(self.registry, base) if self.registry is not None else {}
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()  # the progress pattern's matcher process ends with its attempt
         if self.registry is not None:
             self.stacks.clean(self.registry)
 

@@ -137,7 +137,9 @@ def _targets(text: str) -> Tuple[Tuple[str, Path], ...]:
 
 
 def _globs(text: str) -> Tuple[str, ...]:
-    """`*.bak,scratch-*`: file-name patterns (fnmatch), never a path."""
+    """`*.bak,scratch-*`: file-name patterns (fnmatch), never a path. Any glob is safe to match: since Python 3.9
+    fnmatch.translate makes every star but the last an atomic group, so matching is linear in the name, however
+    many stars (`*a*a*a*a*a*a*a*a*a*a*b`; tests/unit/test_progress.py)."""
     patterns = tuple(dict.fromkeys(word.strip() for word in str(text).split(",") if word.strip()))
     if any("/" in pattern or len(pattern) > 255 for pattern in patterns):
         raise BadValue("must list file-name patterns (no '/'), separated by commas")
@@ -173,13 +175,15 @@ def _default_markers() -> Tuple[str, ...]:
 
 
 def _regex(text: str) -> str:
-    """A regular expression (Python's syntax), compiled once here so that a bad one is a 78, not a surprise later."""
+    """A regular expression (Python's syntax), compiled once here so that a bad one is a 78, not a surprise later.
+    Whether it can backtrack catastrophically is not judged here (no test is both sound and complete): it is
+    matched in a process of its own with a CPU limit per line (supervise/progress.py)."""
     pattern = str(text)
     if not pattern.strip() or len(pattern) > 1000:
         raise BadValue("must be a regular expression of 1 to 1000 characters")
     try:
         re.compile(pattern)
-    except re.error as exc:
+    except (re.error, OverflowError, RecursionError) as exc:  # `a{99999999999999999999}` is an OverflowError
         raise BadValue(f"is not a valid regular expression: {exc}") from None
     return pattern
 

@@ -289,6 +289,7 @@ class Monitor:
         self._cores: Deque[Tuple[float, Dict[int, float]]] = collections.deque()  # (time, {rank: cores}) per period
         self._devices: Deque[Tuple[float, Dict[str, Optional[float]]]] = collections.deque()
         self._faults: Deque[Tuple[float, str]] = collections.deque()  # (time, what the tool said was wrong)
+        self._pattern_off = False
         self._found: Optional[Hang] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -330,7 +331,11 @@ class Monitor:
         """The workers' output goes here too when a progress pattern is set."""
         if self.config.progress_pattern is None:
             return None
-        return ProgressSink(self.config.progress_pattern, self.progress)
+        return ProgressSink(self.config.progress_pattern, self.progress, self._pattern_lost)
+
+    def _pattern_lost(self) -> None:
+        """The pattern's matcher is gone for the attempt (progress.py): the metrics decide, unless a file signals."""
+        self._pattern_off = True
 
     # ------------------------------------------------------------------ the thread
 
@@ -363,6 +368,12 @@ class Monitor:
         last = self._cores[-1][1] if self._cores else None
         return None if last is None else {unit for unit, cores in last.items() if cores < self._busy}
 
+    @property
+    def _signalled(self) -> bool:
+        """Whether a progress signal decides, once it has beaten: a progress file, or a pattern still matched."""
+        return self.config.progress_file is not None or (self.config.progress_pattern is not None
+                                                          and not self._pattern_off)
+
     def _wait(self) -> float:
         """Until the next period, or sooner when that is when a hang would be declared."""
         now = self.clock()
@@ -378,7 +389,7 @@ class Monitor:
         last progress signal, once there was one; else since when no rank did IO and one rank was idle. The
         window, or the start-up allowance before the attempt's first progress."""
         allowance = self.config.window if self._first_progress is not None else self.config.startup
-        if self.config.signalled and self._progress_at is not None:
+        if self._signalled and self._progress_at is not None:
             return self._progress_at, allowance
         # Before a signal's first beat the metrics decide: CPU use while torch is imported is not a hang.
         if not self._busy_at:
@@ -420,7 +431,7 @@ class Monitor:
             self._progressed(now)
 
     def _progressed(self, now: float) -> None:
-        if self._first_progress is None and not self.config.signalled:
+        if self._first_progress is None and not self._signalled:
             self._first_progress = now
 
     def _keep(self, queue: Deque, item) -> None:
@@ -444,7 +455,7 @@ class Monitor:
             return None
         start = now - allowance
         faults = [fault for t, fault in self._faults if t >= start]
-        if self.config.signalled and self._progress_at is not None:
+        if self._signalled and self._progress_at is not None:
             evidence = f"no progress signal ({_progress_source(self.config)}) for {allowance:g} s"
             return self._hang(now, f"{evidence}; {self._metrics(start)}", faults)
         devices = [sample for t, sample in self._devices if t >= start]
@@ -455,7 +466,7 @@ class Monitor:
         if self.config.tool is not None:
             evidence += "; " + (_flat_words(level, len(devices)) if devices else
                                 f"the accelerators could not be read ({faults[-1] if faults else 'no answer'})")
-        if self.config.signalled:
+        if self._signalled:
             evidence = f"no progress signal ({_progress_source(self.config)}) since the start, and {evidence}"
         return self._hang(now, evidence, faults, suspects)
 

@@ -311,3 +311,17 @@ def test_the_tree_sample_reads_a_real_process(tmp_path):
         child.kill()
         child.wait()
     assert hang._Tree(lambda: {child.pid: Unit(child.pid, "command", "x")}).sample() == {}  # gone: nothing, no error
+
+
+def test_a_pattern_whose_matcher_is_gone_leaves_the_metrics_to_decide():
+    """progress.py turns the pattern off for the attempt (its matcher restarted too often): no more beats can come,
+    so a busy attempt is not taken for hung, and a quiet one is judged by its IO and CPU."""
+    monitor = monitor_at(config(tool=None, progress_pattern="step"), None)
+    monitor.progress()  # it had beaten
+    monitor._pattern_lost()
+    assert run(monitor, 60, sample=Growing(2.0, None)) is None
+    quiet = monitor_at(config(tool=None, progress_pattern="step"), None)
+    quiet.progress()
+    quiet._pattern_lost()
+    found = run(quiet, 60)
+    assert found is not None and found[1].evidence.startswith("no IO for 10 s"), found
