@@ -30,6 +30,15 @@ Everything lives in one private folder of this node (0700), `folder(spec)`, unde
   then the job's own config.
 - `hostfile`, written by the run from mpirun's plan.
 
+Every path the runtime writes into sshd's and ssh's config files and into mpirun's `plm_rsh_args` names this
+folder as `named_folder(spec)`: the folder itself when its path holds only plain characters (letters, digits,
+`_./+,:@-`), else a link to it, `/tmp/ma-runtime-<uid>-<hash of the folder's path>`, made by `start`. None of
+those consumers can take a space or a shell character in a path: Open MPI splits `plm_rsh_args` at every space
+(no quoting) and quotes it again into orted's remote shell command; OpenSSH's config files split words at spaces
+and quotes (old versions know no escape), expand `%` tokens and `${VAR}`, and AuthorizedKeysFile takes several
+files. So `MA_HOME` (`MA_MOUNT_PATH`) may hold any character, a newline included. A trust file whose own name is
+not plain is copied but not named in `ssh_config` (a warning says so).
+
 sshd runs in the foreground (-D -e): its lines reach the console and the task log prefixed `[sshd] `. The
 runtime waits, bounded, for its pid file (written once the port is bound), or stops with 78 and sshd's last line.
 """
@@ -38,11 +47,13 @@ import argparse
 import base64
 import binascii
 import errno
+import hashlib
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -67,6 +78,10 @@ _ED25519_BLOB = b"\x00\x00\x00\x0bssh-ed25519"  # how the base64 part of a real 
 _KEY_LIMIT = 4096  # an ed25519 public key line is about 100 bytes
 _SEND_SECONDS = 5.0  # the key server's bound per connection
 _running: List[object] = []  # the sshd Workers: kept, so that no Popen is collected and polled by subprocess
+# A path these characters make up reaches Open MPI's and OpenSSH's words as it is (module docstring); `=` is out
+# too: old OpenSSH splits a config line at an `=` as at a space.
+_PLAIN = re.compile(r"[A-Za-z0-9_./+,:@-]+\Z")
+_LINKS = Path("/tmp")  # where the link to a folder whose path is not plain goes
 
 
 def folder(spec) -> Path:
@@ -74,8 +89,23 @@ def folder(spec) -> Path:
     return spec.state_dir / f"mpi-{spec.task_name}-{spec.task_index}"
 
 
+def named_folder(spec) -> Path:
+    """The folder as ssh's and Open MPI's words name it: itself when its path is plain, else the link `start` makes
+    to it in /tmp, named after the uid and the folder's path (the same folder gets the same link every run)."""
+    real = folder(spec)
+    if is_plain(str(real)):
+        return real
+    digest = hashlib.sha256(os.fsencode(str(real))).hexdigest()[:16]
+    return _LINKS / f"ma-runtime-{os.geteuid()}-{digest}"
+
+
+def is_plain(text: str) -> bool:
+    return bool(_PLAIN.match(text))
+
+
 def client_config(spec) -> Path:
-    return folder(spec) / "ssh_config"
+    """What mpirun's ssh reads (`-F`), as plm_rsh_args names it."""
+    return named_folder(spec) / "ssh_config"
 
 
 def trust_folder(spec) -> Path:
@@ -100,6 +130,7 @@ def start(spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[object
     LaunchTimedOut (81)."""
     sshd, keygen = _program(environ, "sshd", "/usr/sbin/sshd"), _program(environ, "ssh-keygen", "/usr/bin/ssh-keygen")
     home = _private_folder(folder(spec))
+    named = _link(home, named_folder(spec))
     keys = _copy_trust(trust_folder(spec), home / "ssh", log)
     if client and not private_keys(keys):
         keys = _job_key(spec, home, keys, keygen, environ, log, stopped, sinks)
@@ -112,10 +143,10 @@ def start(spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[object
         keys = sorted([*keys, AUTHORIZED])
     if stopped.is_set():
         return
-    host_key = _keygen(home / "ssh_host_ed25519_key", keygen, "sshd's host key")
+    _keygen(home / "ssh_host_ed25519_key", keygen, "sshd's host key")
     config = home / "sshd_config"
-    _write(config, _sshd_config(spec, home, host_key))
-    _write(client_config(spec), _client_config(home / "ssh", keys))
+    _write(config, _sshd_config(spec, named))
+    _write(home / "ssh_config", _client_config(named / "ssh", _named_keys(keys, log)))
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # its privilege separation folder, made at boot only
     pid_file = home / "sshd.pid"
@@ -131,6 +162,44 @@ def start(spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[object
                                "the task log, prefixed [sshd]")
     log.info("sshd listens", port=spec.sshd_port, pid=worker.pid, config=str(config),
              trust=str(trust_folder(spec)), keys=keys)
+
+
+def _link(real: Path, named: Path) -> Path:
+    """`named`, once it leads to `real`: the link made, or found made by this uid for this folder; ConfigError (78)
+    when something else has the name or the link cannot be made. /tmp is sticky: a link we own stays ours."""
+    if named == real:
+        return named
+    try:
+        os.symlink(real, named)
+        return named
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot link {named} to sshd's folder: {exc.strerror or exc}", hint=_LINK_HINT) from None
+    try:
+        found = os.lstat(named)
+        ours = stat.S_ISLNK(found.st_mode) and found.st_uid == os.geteuid() and os.readlink(named) == str(real)
+    except OSError:
+        ours = False
+    if not ours:
+        raise ConfigError(f"{named} exists and is not this runtime's link to sshd's folder {str(real)!r}",
+                          hint=f"remove {named}; " + _LINK_HINT)
+    return named
+
+
+# Why the link, and the way around it.
+_LINK_HINT = ("the folder's path (under MA_MOUNT_PATH) has characters Open MPI and ssh cannot take in their options, "
+              "so the runtime names it through a link in /tmp; /tmp must be writable, or give MA_MOUNT_PATH a path of "
+              "letters, digits and _./+,:@- only")
+
+
+def _named_keys(names: Sequence[str], log) -> List[str]:
+    """The trust files whose names ssh_config can hold as they are; the others are left out, with a warning."""
+    for name in names:
+        if not is_plain(name):
+            log.warning("trust file not named in ssh_config: its name has characters ssh_config would take apart",
+                        name=name, hint="rename it, e.g. id_rsa")
+    return [name for name in names if is_plain(name)]
 
 
 def _program(environ: Mapping[str, str], name: str, usual: str) -> str:
@@ -349,15 +418,16 @@ def _keygen(path: Path, keygen: str, what: str, comment: Optional[str] = None) -
     return path
 
 
-def _sshd_config(spec, home: Path, host_key: Path) -> str:
+def _sshd_config(spec, named: Path) -> str:
+    """sshd's config; `named`: the folder as its words name it (plain)."""
     lines = [
         "# Written by ma-runtime for this node's sshd. sshd keeps the first value it reads for most keywords:",
         "# these lines come before the image's own config.",
-        f"PidFile {home / 'sshd.pid'}",
+        f"PidFile {named / 'sshd.pid'}",
         "UsePAM no",
         "StrictModes no",
-        f"AuthorizedKeysFile {home / 'ssh' / 'authorized_keys'}",
-        f"HostKey {host_key}",
+        f"AuthorizedKeysFile {named / 'ssh' / 'authorized_keys'}",
+        f"HostKey {named / 'ssh_host_ed25519_key'}",
         "PubkeyAuthentication yes",
         "PasswordAuthentication no",
         "ChallengeResponseAuthentication no",
@@ -366,11 +436,14 @@ def _sshd_config(spec, home: Path, host_key: Path) -> str:
     image = spec.ma_home / "etc" / "ssh" / "sshd_config"
     text = _read(image)
     if text is not None:
-        lines += [f"# {image}, its {PLACEHOLDER} replaced:", text.replace(PLACEHOLDER, str(spec.sshd_port))]
+        # The path stays out of the comment: a newline in it would make the rest a config line.
+        lines += [f"# ${{MA_HOME}}/etc/ssh/sshd_config, its {PLACEHOLDER} replaced:",
+                  text.replace(PLACEHOLDER, str(spec.sshd_port))]
     return "\n".join(lines) + "\n"
 
 
 def _client_config(trust: Path, names: Sequence[str]) -> str:
+    """ssh's config; `trust`: the copied trust files' folder as its words name it (plain)."""
     lines = [
         "# Written by ma-runtime: what mpirun's ssh reads (-F). Each node's host key is made when it starts, so",
         "# none is known beforehand: the trust is in the job's keys.",

@@ -29,6 +29,11 @@
 #   can write; those modes are fixed in place (700 folder, 600 files), and when the folder is
 #   read-only they are fixed on copies in the private folder instead. MA_SSH_DIR names the
 #   folder to use: with copies, pass `-F "$MA_SSH_DIR/config"` to ssh (it names the keys).
+# - Paths in the configs: sshd's and ssh's config files split words at spaces and quotes and
+#   expand % tokens, and Open MPI splits plm_rsh_args at every space, so every path the hook
+#   writes into them, and MA_SSH_DIR, is plain (letters, digits, _./+,:@-). A trust folder
+#   whose path is not (a MA_HOME with a space, say) is used through copies in the private
+#   folder; a TMPDIR whose path is not gives way to /tmp for the private folder.
 # - sshd runs with -D in the background rather than daemonising itself: a daemonising sshd
 #   forks before it binds the port, so its status says nothing about the port and the failure
 #   (a port in use) would go unseen. The hook knows the pid, waits for the pid file (written
@@ -38,6 +43,13 @@
 
 _ma_sshd_say() {
     echo "[mpi-sshd] $*" >&2
+}
+
+# Whether the path $1 can go into sshd's and ssh's config files (and plm_rsh_args) as it is.
+_ma_sshd_plain() {
+    case $1 in
+        '' | *[!A-Za-z0-9_./+,:@-]*) return 1 ;;
+    esac
 }
 
 # Whether ssh accepts the modes of the private key $1: a key we own must be readable by us
@@ -64,10 +76,14 @@ _ma_sshd_trust_ok() {
 # Sets the modes ssh wants on the trust folder $1; where they cannot be set (a read-only
 # mount, another owner), copies it into $2 with those modes. Prints the folder to use.
 _ma_sshd_trust_dir() {
-    local source=$1 copy=$2 file
+    local source=$1 copy=$2 file why
     if [ ! -d "$source" ]; then
-        echo "$source"
-        return 0
+        if _ma_sshd_plain "$source"; then
+            echo "$source"
+        else  # an empty folder the configs can name
+            mkdir -m 700 "$copy" && echo "$copy"
+        fi
+        return
     fi
     chmod 700 "$source" 2>/dev/null
     for file in "$source"/id_* "$source"/authorized_keys "$source"/config; do
@@ -75,7 +91,11 @@ _ma_sshd_trust_dir() {
             chmod 600 "$file" 2>/dev/null
         fi
     done
-    if _ma_sshd_trust_ok "$source"; then
+    if ! _ma_sshd_plain "$source"; then
+        why="its path has characters sshd's and ssh's config files cannot take"
+    elif ! _ma_sshd_trust_ok "$source"; then
+        why="it has modes ssh refuses and they cannot be changed"
+    else
         echo "$source"
         return 0
     fi
@@ -90,8 +110,7 @@ _ma_sshd_trust_dir() {
         cp -L "$file" "$copy/" && chmod 600 "$copy/${file##*/}" || return 1
     done
     _ma_sshd_point_config_at_copies "$copy" || return 1
-    _ma_sshd_say "$source has modes ssh refuses and they cannot be changed; using copies in $copy" \
-        "(ssh -F $copy/config)"
+    _ma_sshd_say "$source: $why; using copies in $copy (ssh -F $copy/config)"
     echo "$copy"
 }
 
@@ -99,8 +118,11 @@ _ma_sshd_trust_dir() {
 _ma_sshd_point_config_at_copies() {
     local copy=$1 file keys=""
     for file in "$copy"/id_*; do
-        if [ -f "$file" ] && [ "${file%.pub}" = "$file" ]; then
+        [ -f "$file" ] && [ "${file%.pub}" = "$file" ] || continue
+        if _ma_sshd_plain "$file"; then
             keys+="IdentityFile $file"$'\n'
+        else
+            _ma_sshd_say "$file is not named in $copy/config: its name has characters ssh's config cannot take"
         fi
     done
     { printf '%s' "$keys"; cat "$copy/config" 2>/dev/null; } >"$copy/config.new" &&
@@ -140,7 +162,8 @@ _ma_sshd_config() {
             echo "HostKey $host_key"
         fi
         if [ -f "$image" ]; then
-            echo "# $image, its port placeholder replaced:"
+            # Not the path itself: a newline in it would make a config line of the rest.
+            echo "# \${MA_HOME}/etc/ssh/sshd_config, its port placeholder replaced:"
         fi
         cat "$body"
     } >"$config" && rm -f "$body"
@@ -162,7 +185,7 @@ _ma_sshd_wait() {
 }
 
 _ma_sshd_main() {
-    local port=${MY_SSHD_PORT:-36666} port_ok=no sshd dir trust_source trust
+    local port=${MY_SSHD_PORT:-36666} port_ok=no sshd tmp dir trust_source trust
     case $port in
         '' | *[!0-9]*) port_ok=no ;;
         *) [ "${#port}" -le 5 ] && [ $((10#$port)) -ge 1 ] && [ $((10#$port)) -le 65535 ] && port_ok=yes ;;
@@ -187,8 +210,11 @@ _ma_sshd_main() {
         _ma_sshd_say "ssh-keygen not found on PATH: install OpenSSH's client in the image"
         return 1
     fi
-    if ! dir=$(mktemp -d "${TMPDIR:-/tmp}/ma-sshd.XXXXXX"); then
-        _ma_sshd_say "cannot make a private folder in ${TMPDIR:-/tmp}: set TMPDIR to a writable folder"
+    tmp=${TMPDIR:-/tmp}
+    _ma_sshd_plain "$tmp" || tmp=/tmp  # the private folder's paths go into the configs
+    if ! dir=$(mktemp -d "$tmp/ma-sshd.XXXXXX"); then
+        _ma_sshd_say "cannot make a private folder in $tmp: set TMPDIR to a writable folder" \
+            "(its path of letters, digits and _./+,:@- only)"
         return 1
     fi
     trust_source="${MA_HOME:-/home/ma-user}/.ssh"
@@ -223,7 +249,7 @@ _ma_sshd_main() {
 }
 
 _ma_sshd_forget() {
-    unset -f _ma_sshd_say _ma_sshd_key_modes_ok _ma_sshd_trust_ok _ma_sshd_trust_dir \
+    unset -f _ma_sshd_say _ma_sshd_plain _ma_sshd_key_modes_ok _ma_sshd_trust_ok _ma_sshd_trust_dir \
         _ma_sshd_point_config_at_copies _ma_sshd_has_host_key _ma_sshd_config _ma_sshd_wait _ma_sshd_main \
         _ma_sshd_forget
 }

@@ -98,6 +98,8 @@ def _mpirun_plan(spec, context: Context, why: str, count: int, hosts: Sequence[s
     hostfile = sshd.folder(spec) / HOSTFILE
     argv = [launcher, "-np", str(len(hosts) * count), "-hostfile", str(hostfile)]
     if len(hosts) > 1:  # one node: mpirun starts every rank itself, no ssh
+        # Open MPI splits this at every space and quotes it again for orted's remote shell: client_config is a
+        # plain path whatever MA_HOME holds (sshd.named_folder).
         argv += ["-mca", "plm_rsh_args", f"-p {spec.sshd_port} -F {sshd.client_config(spec)}"]
     argv += ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
     if len(hosts) > 1:

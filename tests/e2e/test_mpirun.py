@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ma_runtime import spec, sshd
 from tests.conftest import alive, free_port, run_ma, wait_for_file
 from tests.e2e import test_multinode as multinode
 from tests.e2e.test_launchers import JOBS, launcher_env, termination
@@ -25,6 +26,9 @@ BIN = Path(sys.executable).parent  # the test venv's: python with mpi4py
 SCRIPT = str(JOBS / "mpi_allreduce.py")
 # `python -m mpi4py`: an uncaught exception or a non-zero sys.exit in a rank calls MPI_Abort (README, "mpirun").
 COMMAND = ["python", "-m", "mpi4py", SCRIPT]
+# A folder name with what a shell, Open MPI (plm_rsh_args is split at spaces, then quoted for the remote shell)
+# and OpenSSH's config files (quotes, `%` tokens, `${}` variables) each take apart.
+HOSTILE = "my home $(touch pwned);\"q'\\b %d ${HOME}\nline two"
 
 
 def _missing() -> str:
@@ -185,6 +189,37 @@ def test_without_trust_files_the_jobs_own_key_serves_and_a_restart_reuses_the_sa
     assert "rank 2 of 4 on job-worker-1.job: allreduce=10" in nodes.outputs[0].read_text(errors="replace"), report
     assert not any((Path(env["MA_HOME"]) / ".ssh").exists() for env in envs)
     assert namespace_pids(nodes) == [], describe(namespace_pids(nodes))  # the key server swept too
+
+
+@needs_namespaces
+@needs_mpi
+def test_a_home_with_spaces_and_shell_characters_runs_across_two_nodes(job_env, tmp_path, nodes, trusted):
+    # Issue 24 item 7: `plm_rsh_args "-p 36666 -F /.../my home/.../ssh_config"` reached ssh as two words.
+    envs = []
+    for node in (0, 1):
+        home = tmp_path / HOSTILE / f"home-{node}"
+        env = mpi_env(job_env, tmp_path, node)
+        env.update(MA_HOME=str(home), MA_RUNTIME_TERMINATION_LOG=str(home / "termination-log"))
+        envs.append(trusted(env))
+
+    links = [sshd.named_folder(spec.load({}, env)) for env in envs]  # in /tmp: the runtime leaves them for reuse
+    try:
+        start_both(nodes, envs)
+        codes = nodes.wait(timeout=120)
+    finally:
+        for link in links:
+            if link.is_symlink():
+                link.unlink()
+
+    report = nodes.report()
+    assert codes == [0, 0], report
+    stdout = nodes.outputs[0].read_text(errors="replace")
+    for rank in range(4):
+        assert f"rank {rank} of 4 on {HOSTS[rank // 2]}: allreduce=10" in stdout, report
+    stderr = nodes.outputs[0].with_suffix(".err").read_text(errors="replace")
+    assert f"-F {links[0]}/ssh_config" in stderr and sshd.is_plain(str(links[0])), report  # ssh's -F: one word
+    assert not list(tmp_path.rglob("pwned")) and not (Path.cwd() / "pwned").exists()  # nothing was evaluated
+    assert namespace_pids(nodes) == [], describe(namespace_pids(nodes))
 
 
 @needs_mpi

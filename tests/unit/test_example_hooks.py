@@ -348,6 +348,36 @@ def test_mpi_sshd_fails_with_sshds_reason_when_the_port_is_taken(shared_dir):
     assert not list(shared_dir.glob("tmp/ma-sshd.*/sshd.pid"))  # nothing left running
 
 
+# What sshd's and ssh's config files, Open MPI's plm_rsh_args and a shell each take apart (issue 24 item 7).
+HOSTILE = "my home $(touch pwned);\"q'\\b %d ${HOME}\nline two"
+
+
+@needs_sshd
+def test_mpi_sshd_with_a_hostile_home_and_tmpdir_names_only_plain_paths_in_the_configs(shared_dir):
+    folder = shared_dir / HOSTILE
+    folder.mkdir()
+    env, user = sshd_job(folder, "nobody" if os.geteuid() == 0 else None, free_port(), "Port {{MY_SSHD_PORT}}\n")
+    sourced = source(SSHD, env, folder, user=user)
+    pid_file = sourced.env.get("MA_SSHD_PID_FILE")
+    try:
+        assert sourced.status == 0, sourced.stderr
+        private, copies = Path(pid_file).parent, Path(sourced.env["MA_SSH_DIR"])
+        assert private.parent == Path("/tmp") and copies == private / "ssh"  # TMPDIR and MA_HOME: not plain
+        for config in (private / "sshd_config", copies / "config"):
+            text = config.read_text()
+            assert "my home" not in text and "line two" not in text, text
+        assert f"AuthorizedKeysFile {copies}/authorized_keys" in (private / "sshd_config").read_text()
+        assert (copies / "config").read_text().startswith(f"IdentityFile {copies}/id_ed25519\n")
+        with socket.create_connection(("127.0.0.1", int(env["MY_SSHD_PORT"])), timeout=30) as connection:
+            assert connection.recv(64).startswith(b"SSH-2.0-")  # sshd took its config
+        assert "its path has characters sshd's and ssh's config files cannot take" in sourced.stderr
+        assert not list(shared_dir.rglob("pwned"))
+    finally:
+        if pid_file:
+            stop_sshd(pid_file)
+            shutil.rmtree(Path(pid_file).parent, ignore_errors=True)
+
+
 @pytest.mark.skipif(os.path.exists("/usr/sbin/sshd") or shutil.which("sshd", path="/usr/bin:/bin"),
                     reason="sshd is installed here")
 def test_mpi_sshd_without_sshd_stops_the_job_with_one_line(tmp_path, empty_hook_baseline):

@@ -109,6 +109,24 @@ def test_the_signal_named_is_the_stop_not_the_death():
     assert found.signal == "SIGABRT"
 
 
+def test_a_command_whose_own_exit_landed_as_the_grace_ended_keeps_its_code():
+    # Issue 24 item 9: `command exited exit_code=143 returncode=1`. The supervisor's grace ran out before it reaped
+    # the command, so it killed the tree and marked the stop forced; but the command had exited 1 by itself.
+    outcome = Outcome(returncode=1, exit_code=143, stop_signal=15, forced=True, worker=a_worker())
+    found = verdict.of(outcome, PLAIN)
+    assert (found.exit_code, found.returncode, found.reason, found.signal) == (1, 1, "stopped by SIGTERM", "SIGTERM")
+    # Died of the forwarded SIGTERM by itself: 143, and still not "killed".
+    died = verdict.of(Outcome(returncode=-15, exit_code=143, stop_signal=15, forced=True, worker=a_worker()), PLAIN)
+    assert (died.exit_code, died.reason) == (143, "stopped by SIGTERM")
+    # A launcher whose code after a stop is its own: 128+N whatever it exited with.
+    assert verdict.of(outcome, torchrun_plan(), own_code_after_stop=False).exit_code == 143
+    # Several workers: the deciding one exited by itself, but the grace-over kill ended another: the kill stands.
+    several = verdict.of(Outcome(returncode=1, exit_code=143, stop_signal=15, forced=True, worker=a_worker("rank-1")),
+                         rtf_plan(2))
+    assert (several.exit_code, several.reason.endswith("did not exit within the grace period and was killed")) == (
+        143, True)
+
+
 def test_giving_up_is_82_with_the_last_attempts_reason_and_rank():
     last = verdict.of(Outcome(returncode=5, exit_code=5, worker=a_worker("rank-1"), failed_worker="rank-1"),
                       rtf_plan(2))
