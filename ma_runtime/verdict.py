@@ -4,9 +4,8 @@ One attempt's verdict comes from its `Outcome` (supervise/supervisor.py) and the
 - SUCCEEDED: 0.
 - STOPPED (SIGTERM/SIGINT): 128+N when the stop's SIGKILL ended the command, or when the launcher's
   code after a stop is its own and not the command's (torchrun's 1, msrun's 0); else the command's own
-  code (a handler that saved and exited 7 gives 7). The supervisor's `forced` (its grace ran out and it
-  killed the tree) is not enough: a command whose own exit landed as the grace ended keeps its code
-  (`_killed_by_the_stop`).
+  code (a handler that saved and exited 7 gives 7). `forced` is the supervisor's: its grace-over SIGKILL is what
+  a worker died of; a command whose own exit landed as the grace ended keeps its code.
 - FAILED: the status of the worker that failed first; for a launcher that names a root cause in its
   output (torchrun exits 1 whatever its ranks did), that rank and its status.
 - HUNG: 83, `job suspected hung: <evidence>; <where the stacks say the ranks are>`; category user unless
@@ -17,7 +16,6 @@ The job's verdict is the last attempt's, unless the runtime gave up restarting (
 """
 
 import dataclasses
-import signal
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ma_runtime.errors import Category, ExitCode, exit_code_of_status
@@ -63,7 +61,7 @@ def of(outcome: Outcome, plan=None, root_cause: Optional[RootCauseOf] = None, ow
     if outcome.state is State.HUNG:
         return _hung(outcome)
     rank, returncode, exit_code = _failed_rank(outcome, plan, root_cause)
-    killed = _killed_by_the_stop(outcome, plan)
+    killed = outcome.forced
     if outcome.stop_signal is not None:
         # The launcher's own code after a stop says nothing of the command; our SIGKILL's says only that we killed.
         exit_code = 128 + outcome.stop_signal if killed or not own_code_after_stop else exit_code_of_status(returncode)
@@ -75,21 +73,6 @@ def of(outcome: Outcome, plan=None, root_cause: Optional[RootCauseOf] = None, ow
         reason = f"rank {rank} failed first: {reason}"
     return Verdict(outcome.state, exit_code, returncode, rank, stop or death, reason, category, hint,
                    tail(worker) if worker is not None else (), outcome.duration)
-
-
-def _killed_by_the_stop(outcome: Outcome, plan) -> bool:
-    """Whether the stop's SIGKILL ended the command, so that its code is 128 + the stop signal.
-
-    The supervisor marks a stop `forced` when the grace runs out before it has reaped a worker, and kills the
-    tree. A worker whose exit was already under way then (it exited after the supervisor's last look, or was in
-    the kernel's exit when the SIGKILL came, which leaves the status it chose) did exit by itself: with one
-    worker, a status other than a death by SIGKILL says so, and the command keeps its own code (README, "Exit
-    codes"; issue 24 item 9: `returncode=1` and 143). With several, the deciding worker may be one that exited
-    by itself while another was killed: the kill stands."""
-    if not outcome.forced:
-        return False
-    several = plan is not None and len(plan.workers) > 1
-    return several or outcome.returncode == -signal.SIGKILL
 
 
 def _hung(outcome: Outcome) -> Verdict:

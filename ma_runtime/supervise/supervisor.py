@@ -68,7 +68,9 @@ class Outcome:
     returncode: int  # Popen style: exit status, or -N for death by signal N
     exit_code: int
     stop_signal: Optional[int] = None  # SIGTERM/SIGINT that started a stop
-    forced: bool = False  # the command outlived the grace period and was SIGKILLed
+    # The grace-over SIGKILL ended a worker (its status says so): a worker whose own exit came as the grace ran out,
+    # after the last look and before the kill, exited by itself and keeps its code (issue 24 item 9).
+    forced: bool = False
     leftovers: int = 0  # processes still running after the command exited
     duration: float = 0.0
     # The worker whose status is the job's: the first to fail, else the first
@@ -104,6 +106,7 @@ class _Stop:
     stopped: int = 0
     deadline: Optional[float] = None
     forced: bool = False
+    killed: List[Worker] = dataclasses.field(default_factory=list)  # the workers still running at the grace-over kill
     killed_at: Optional[float] = None
     exits: List[Worker] = dataclasses.field(default_factory=list)  # in the order they exited
     began_at: Optional[float] = None  # time.time() when the workers were first asked to stop
@@ -256,7 +259,7 @@ class Supervisor:
                 grace_seconds=self.grace_seconds,
             )
             self._kill_sweep()
-            stop.forced, stop.deadline, stop.killed_at = True, None, now
+            stop.forced, stop.deadline, stop.killed_at, stop.killed = True, None, now, live
         elif stop.killed_at is not None and now - stop.killed_at > _KILL_WAIT:
             # Uninterruptible sleep (a hung NFS or device): do not hang with it.
             self.log.error("the command survived SIGKILL; giving up on it", **self._pids(live))
@@ -268,7 +271,9 @@ class Supervisor:
         # A non-zero status is never hidden behind a later zero.
         decider = stop.failed or next((w for w in stop.exits if w.returncode != 0), stop.exits[-1])
         code = exit_code_of_status(decider.returncode)
-        if stop.forced and stop.signal is not None:
+        # Forced when our SIGKILL is what a worker died of; one that exited by itself meanwhile has its own status.
+        forced = any(worker.returncode == -signal.SIGKILL for worker in stop.killed)
+        if forced and stop.signal is not None:
             # The stop request, not our SIGKILL, is why the command ended.
             code = 128 + stop.signal
         elif stop.hang is not None and stop.signal is None:
@@ -277,7 +282,7 @@ class Supervisor:
             decider.returncode,
             code,
             stop.signal,
-            stop.forced,
+            forced,
             leftovers,
             duration,
             worker=decider,

@@ -109,21 +109,20 @@ def test_the_signal_named_is_the_stop_not_the_death():
     assert found.signal == "SIGABRT"
 
 
-def test_a_command_whose_own_exit_landed_as_the_grace_ended_keeps_its_code():
-    # Issue 24 item 9: `command exited exit_code=143 returncode=1`. The supervisor's grace ran out before it reaped
-    # the command, so it killed the tree and marked the stop forced; but the command had exited 1 by itself.
-    outcome = Outcome(returncode=1, exit_code=143, stop_signal=15, forced=True, worker=a_worker())
+def test_after_a_stop_the_command_keeps_its_own_code_unless_the_kill_ended_it():
+    # Issue 24 item 9: `command exited exit_code=143 returncode=1`. The supervisor now says forced only when its
+    # grace-over SIGKILL is what a worker died of (tests/e2e/test_stop_codes.py: the race, real processes).
+    outcome = Outcome(returncode=1, exit_code=1, stop_signal=15, forced=False, worker=a_worker())
     found = verdict.of(outcome, PLAIN)
     assert (found.exit_code, found.returncode, found.reason, found.signal) == (1, 1, "stopped by SIGTERM", "SIGTERM")
-    # Died of the forwarded SIGTERM by itself: 143, and still not "killed".
-    died = verdict.of(Outcome(returncode=-15, exit_code=143, stop_signal=15, forced=True, worker=a_worker()), PLAIN)
+    # Died of the forwarded SIGTERM by itself: 143, and not "killed".
+    died = verdict.of(Outcome(returncode=-15, exit_code=143, stop_signal=15, worker=a_worker()), PLAIN)
     assert (died.exit_code, died.reason) == (143, "stopped by SIGTERM")
     # A launcher whose code after a stop is its own: 128+N whatever it exited with.
     assert verdict.of(outcome, torchrun_plan(), own_code_after_stop=False).exit_code == 143
-    # Several workers: the deciding one exited by itself, but the grace-over kill ended another: the kill stands.
-    several = verdict.of(Outcome(returncode=1, exit_code=143, stop_signal=15, forced=True, worker=a_worker("rank-1")),
-                         rtf_plan(2))
-    assert (several.exit_code, several.reason.endswith("did not exit within the grace period and was killed")) == (
+    # Killed: 128+N, and the reason says so.
+    killed = verdict.of(Outcome(returncode=-9, exit_code=143, stop_signal=15, forced=True, worker=a_worker()), PLAIN)
+    assert (killed.exit_code, killed.reason.endswith("did not exit within the grace period and was killed")) == (
         143, True)
 
 
