@@ -17,7 +17,9 @@ succeeds. Not `ping` (absent from most images), not bash's `/dev/tcp` (the platf
 """
 
 import argparse
+import errno
 import functools
+import os
 import signal
 import socket
 import subprocess
@@ -26,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
-from ma_runtime.errors import ExitCode, LaunchTimedOut
+from ma_runtime.errors import ExitCode, LaunchTimedOut, too_large_for_exec
 
 PERIOD_S = 1.0
 GONE_AFTER = 3  # probes in a row: one lost SYN is not a node gone
@@ -181,9 +183,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # A stop reaches the whole group at once (the supervisor's killpg): the command has it already.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    child = subprocess.Popen(command) if command else None
+    try:
+        child = subprocess.Popen(command) if command else None
+    except OSError as exc:  # one line, as the runtime's own spawn says it, never a traceback
+        return _not_started(command, exc)
     code = _watch(_Watch(args.until_gone, args.gone_seconds), args.appear_seconds, child, stop)
     return code
+
+
+def _not_started(command: Sequence[str], exc: OSError) -> int:
+    if exc.errno == errno.E2BIG:
+        _say(f"cannot start {command[0]}: {too_large_for_exec(command, os.environ)}")
+        return ExitCode.COMMAND_NOT_EXECUTABLE
+    _say(f"cannot start {command[0]}: {exc.strerror or exc}")
+    return ExitCode.COMMAND_NOT_FOUND if exc.errno == errno.ENOENT else ExitCode.COMMAND_NOT_EXECUTABLE
 
 
 def _watch(watch: _Watch, appear_seconds: float, child: Optional[subprocess.Popen], stop: threading.Event) -> int:

@@ -302,3 +302,17 @@ def test_cli_plan_bad_tensorflow_hosts_is_one_line_with_a_hint(cli_env):
     (line,) = result.stderr.splitlines()
     assert "TF_PS_HOSTS has an entry that is not host:port ('b')" in line and "hint=" in line
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command, code, says", [
+    (["no-such-program-here"], 127, "cannot start no-such-program-here: No such file or directory"),
+    (["/etc/hostname"], 126, "cannot start /etc/hostname: "),  # not a program (as root: Exec format error)
+])
+def test_the_ps_watcher_that_cannot_start_its_command_says_why_in_one_line(command, code, says):
+    """The watcher runs the ps task itself: a command it cannot exec is one line and the shell's code, no traceback
+    (issue 24 item 8: every exec the runtime makes)."""
+    done = subprocess.run([sys.executable, "-m", "ma_runtime.launch.peers", "--until-gone", "127.0.0.1:9",
+                           "--appear-seconds", "5", "--", *command], capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
