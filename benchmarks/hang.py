@@ -1,43 +1,53 @@
-"""Hang detection (issue 13): the detector's own CPU per period, and a hang's start to the stack summary.
+"""Hang detection (issues 13, 24): the detector's own CPU per period, and a hang's start to the stack summary.
 
 Two parts, each round-robin (benchmarks/_harness.py): min/median/max over the rounds, the 1-minute load
 average beside each row, ratios per round and of the medians.
 
-cost        8 workers of 4 threads each, real processes, children of this script: `python -c` that starts
-            3 threads and blocks all 4 on an Event (no IO, no CPU once started; each is checked to show 4
-            threads before the rounds). The monitor is the runtime's own: `hang.configure` on a spec with
-            the defaults (window 30 min, period 60 s) and the fake nvidia-smi of tests/fakes (8 GPUs) first
-            on PATH; its tree is what the supervisor gives it (`worker.descendants` of this process: a scan
-            of /proc/*/stat, then psutil on the tree's processes). One sample = --ticks periods back to back,
-            each a real `_Tree.sample()` and `Monitor.tick(...)`, the latter calling `devices.utilisation`,
-            which runs the fake tool. The monitor's clock is simulated, one period per tick, and before the
-            rounds it is fed as many periods as it keeps (62 at the defaults), so every timed tick judges a
-            full window with queues as long as a long job's. The tree is quiet and the fake's utilisation
-            alternates 40/80 % (written untimed before each tick), so `flat()` runs over every device's
-            samples of the window each period and finds them changing: the most a period costs short of
-            declaring a hang (a job doing IO, as every healthy one does, ends the judging earlier).
-            Rows, CPU per period:
+cost        One row group per --ranks count (default 8 and 64), each its own round-robin with its own job alone
+            (of ours) on the machine. The job is torchrun-shaped, children of this script: an agent (`python -c`
+            that names its main thread pt_elastic, as torch elastic's agent does) and below it N ranks with RANK
+            set, each a `python -c` that starts --threads - 1 threads and blocks all --threads (default 4) on an
+            Event: no IO, no CPU once started (each checked to show its threads first). Why this shape: it is
+            the common GPU launcher, 64 ranks on a node only come from a launcher (torchrun --nproc-per-node,
+            mpirun -np; RTF starts one worker per NPU, 8 or 16), and it makes the finder tell machinery (the
+            agent, by its name) from ranks, as issue 24 requires. The monitor is the runtime's, run as the
+            runtime runs it: `hang.configure` on a spec with the defaults (window 30 min, period 60 s) and the
+            fake nvidia-smi of tests/fakes (8 GPUs) first on PATH; its members are the supervisor's `_job`:
+            one `ranks.Finder()` kept across periods, `find({"torchrun": agent}, children.services(),
+            processes(), NotTheCommand(..., services=True))` (a /proc/*/stat scan of the machine, the walk, each
+            new process's cmdline and environment read once); each period is `Monitor._run`'s:
+            `_Tree.sample(monitor._not_busy())` (psutil IO and CPU times per rank process, and, for the ranks
+            not busy the period before, every thread's /proc/<pid>/task/*/schedstat), then `Monitor.tick(...,
+            tree.labels)`, which calls `devices.utilisation`, which runs the fake. The ranks are blocked, so the
+            demand path is taken for every rank every period (checked each period: the worst case; a busy rank
+            skips it). One sample = --ticks periods back to back. The monitor's clock is simulated, one period
+            per tick, and before the rounds it is fed as many periods as it keeps (62 at the defaults), so
+            every timed tick judges a full window with queues as long as a long job's. The fake's utilisation
+            alternates 40/80 % (written untimed before each tick), so `flat()` runs over every device's samples
+            of the window each period and finds them changing: the most a period costs short of declaring a
+            hang. Rows, CPU per period:
               detector                  `_Tree.sample` + `Monitor.tick` in this process (time.process_time),
-                                        the utilisation call's own CPU taken out;
+                                        the utilisation call's own CPU taken out; split into finding (the
+                                        members call: Finder.find over processes()), reading (the rest of
+                                        `_Tree.sample`: psutil, schedstat) and judging (`Monitor.tick`);
               utilisation, our side     `devices.utilisation` in this process: spawn, wait, parse;
               the fake nvidia-smi       the tool's CPU (rusage of the reaped children). The fake is a
                                         Python script (an interpreter's start-up, mostly): the real tool's
                                         cost is not this, so it is a row of its own and not in the goal's
                                         figure (a line with it included is printed beside it);
-            and the anchors, what a naive monitor does for the same information:
+            and the anchors, what a naive monitor does for less information (the tree, IO, CPU; no threads):
               psutil.process_iter       `psutil.process_iter(["pid", "ppid", "io_counters", "cpu_times"])`
                                         over every process of the machine, then the tree filtered out by
-                                        ppid: the same facts (tree, IO, CPU), the usual psutil way. The fair
-                                        anchor: it is what our walk replaces (a /proc/*/stat scan for the
-                                        tree, then psutil on the tree's processes only);
+                                        ppid: the usual psutil way, and what our walk replaces;
               ps -e -o pid,ppid,time    a child, as a shell watchdog does: its CPU from wait4's rusage plus
                                         our spawn and parse (process_time). It gives LESS than we need (no
-                                        IO counters, CPU time in whole seconds), so it flatters the anchor:
-                                        the cost of just asking another program.
-            The anchors only collect, while the detector row also judges. All rows scale with the processes
-            on the machine (printed per row; this machine is shared). Figures: ms of CPU per period, and per
-            hour at the default period (60 s) as % of one core. Goal: the runtime's own CPU (detector + our
-            side of the utilisation call) <= 0.5 % of one core at the default period.
+                                        IO counters, CPU time in whole seconds), so it flatters the anchor.
+            The anchors only collect, while the detector also tells ranks from machinery, reads every rank
+            thread's schedstat and judges. All rows scale with the processes on the machine (printed per row;
+            this machine is shared). Figures: ms of CPU per period, and per hour at the default period (60 s)
+            as % of one core; with two or more counts, what one more rank adds per period (the largest count's
+            medians less the smallest's). Goal, per count: the runtime's own CPU (detector + our side of the
+            utilisation call) <= 0.5 % of one core at the default period.
 
 latency     A real `ma-run` (the one beside this python) running tests/e2e/jobs/hang_job.py in mode `block`:
             the worker computes for --compute-seconds (the fake's utilisation moving, a core busy: long
@@ -53,11 +63,14 @@ latency     A real `ma-run` (the one beside this python) running tests/e2e/jobs/
             suspected hung` line, blocked -> the last line of the stack summary (`stacks.dump` logs it), and
             blocked -> `ma-run` exited (the stop included), in seconds. Goal: the summary
             within window + one period + 5 s (17 s). No anchor exists: NVRx's and torch's FileTimer's hang
-            detection take no stacks, so only the goal stands beside it.
+            detection take no stacks, so only the goal stands beside it. The header says where that ma-run
+            imports ma_runtime from (PYTHONPATH reaches it: set it to measure a checkout).
 
-Scratch data goes under /tmp (--workdir), the workers are stopped by PID, everything is removed at the end.
+Scratch data goes under /tmp (--workdir); the cost part's agent stops its ranks (SIGTERM), then its session is
+killed; everything is removed at the end.
 
-    .venv/bin/python benchmarks/hang.py [--rounds 5] [--warmup 1] [--parts cost,latency] [--ticks 20] [--json FILE]
+    .venv/bin/python benchmarks/hang.py [--rounds 5] [--warmup 1] [--parts cost,latency] [--ranks 8,64] [--threads 4]
+        [--ticks 20] [--json FILE]
 """
 
 import argparse
@@ -83,16 +96,21 @@ PROJECT = harness.PROJECT
 FAKES = PROJECT / "tests" / "fakes"
 HANG_JOB = PROJECT / "tests" / "e2e" / "jobs" / "hang_job.py"
 RANK_TABLE = PROJECT / "tests" / "data" / "ranktable" / "one_server_8.template2.json"
-WORKERS, THREADS = 8, 4
+RANK_COUNTS, THREADS = ("8", "64"), 4  # ranks per row; threads per rank
+AGENT_WORKER = "torchrun"  # the worker's name under the runtime's torchrun launcher (launch/torchrun.NAME)
 DEVICES = 8
 GOAL_CORE_PCT = 0.5
 WINDOW_S, PERIOD_S = 10.0, 2.0  # the latency part's window, and the period the runtime derives from it
 LATENCY_GOAL_S = WINDOW_S + PERIOD_S + 5.0
 RUN_TIMEOUT_S = 120
+START_TIMEOUT_S = 120  # 64 interpreters starting on 2 loaded cores
 # The caller's job settings and credentials must not reach the runs (restart.py does the same).
 FOREIGN_PREFIXES = ("MA_", "PET_", "TORCHELASTIC_", "VC_", "RANK_TABLE", "OBS_", "S3_", "AWS_", "FAKE_")
 DETECTOR, OUR_SIDE, FAKE_TOOL = "detector: _Tree.sample + Monitor.tick", "utilisation call, our side", \
     "the fake nvidia-smi (a Python script)"
+FINDING, READING, JUDGING = "  finding: Finder.find over processes()", "  reading: psutil IO+CPU, schedstat", \
+    "  judging: Monitor.tick, tool out"
+SPLIT = (DETECTOR, FINDING, READING, JUDGING)
 PSUTIL_ANCHOR, PS_ANCHOR = "psutil.process_iter, every process", "ps -e -o pid,ppid,time (child)"
 PERIOD_ROW = "hang monitor, one period"
 ONE_RANK, EIGHT_RANKS = "1 rank, fake nvidia-smi", "RTF 8 ranks, fake npu-smi"
@@ -100,12 +118,29 @@ ONE_RANK, EIGHT_RANKS = "1 rank, fake nvidia-smi", "RTF 8 ranks, fake npu-smi"
 HUNG_MSG = "job suspected hung"
 STACK_MSG, ODD_MSG = "stack of a hung process", "odd ones out: not where the others are"
 
-WORKER_SOURCE = """\
-import threading
+RANK_SOURCE = """\
+import sys, threading
 blocked = threading.Event()
-for _ in range(3):
+for _ in range(int(sys.argv[1]) - 1):
     threading.Thread(target=blocked.wait, daemon=True).start()
 blocked.wait()
+"""
+# torch elastic's agent, as the ranks finder sees one: its main thread named pt_elastic (torch/distributed/run.py),
+# the ranks its children with RANK set. It stops them on SIGTERM, so that none is left to whoever adopts orphans.
+AGENT_SOURCE = """\
+import os, signal, subprocess, sys
+with open("/proc/self/comm", "w") as comm:
+    comm.write("pt_elastic")
+count, threads, source = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+ranks = [subprocess.Popen([sys.executable, "-c", source, threads], env={**os.environ, "RANK": str(rank)},
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         for rank in range(count)]
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # after the spawns: the ranks keep the usual mask
+signal.sigwait({signal.SIGTERM})
+for rank in ranks:
+    rank.kill()
+for rank in ranks:
+    rank.wait()
 """
 
 
@@ -117,6 +152,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     harness.add_round_arguments(parser, rounds=5, warmup=1)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts to run (default {','.join(PARTS)})")
+    parser.add_argument("--ranks", default=",".join(RANK_COUNTS),
+                        help=f"the cost part's rows: ranks of the job (default {','.join(RANK_COUNTS)})")
+    parser.add_argument("--threads", type=int, default=THREADS, help=f"threads per rank (default {THREADS})")
     parser.add_argument("--ticks", type=int, default=20, help="periods per sample of the cost part (default 20)")
     parser.add_argument("--compute-seconds", type=float, default=5.0,
                         help="how long the latency part's worker computes before it blocks (default 5: two "
@@ -130,10 +168,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.parts = _names(parser, args.parts, PARTS, "--parts")
     args.latency_rows = _names(parser, args.latency_rows, ("1", "8"), "--latency-rows")
-    if args.rounds < 1 or args.warmup < 0 or args.ticks < 1 or args.compute_seconds < 2 * PERIOD_S:
-        parser.error(f"--rounds and --ticks must be positive, --warmup not negative, --compute-seconds at least "
-                     f"{2 * PERIOD_S:g} (two periods)")
+    args.ranks = _counts(parser, args.ranks)
+    if args.rounds < 1 or args.warmup < 0 or args.ticks < 1 or args.threads < 1 or \
+            args.compute_seconds < 2 * PERIOD_S:
+        parser.error(f"--rounds, --ticks and --threads must be positive, --warmup not negative, --compute-seconds at "
+                     f"least {2 * PERIOD_S:g} (two periods)")
     return args
+
+
+def _counts(parser, text: str) -> List[str]:
+    counts = [word.strip() for word in text.split(",") if word.strip()]
+    if not counts or not all(word.isdigit() and int(word) > 0 for word in counts):
+        parser.error(f"--ranks: {text!r} is not a list of positive numbers (8,64)")
+    return list(dict.fromkeys(str(int(word)) for word in counts))
 
 
 def _names(parser, text: str, known: Sequence[str], option: str) -> List[str]:
@@ -175,17 +222,40 @@ class QuietLog:
 # --------------------------------------------------------------------------- part 1: the detector's cost
 
 
-def start_workers(count: int) -> List[subprocess.Popen]:
-    """`count` blocked workers of THREADS threads each, once every one shows them all (start-up IO done)."""
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER_SOURCE], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(count)]
-    deadline = time.monotonic() + 30
-    while any(threads_of(proc.pid) != THREADS for proc in workers):
-        if time.monotonic() > deadline or any(proc.poll() is not None for proc in workers):
-            stop_workers(workers)
-            raise RuntimeError(f"the {count} workers did not all reach {THREADS} threads within 30 s")
-        time.sleep(0.05)
-    return workers
+class Job:
+    """A torchrun-like job, children of this script: the agent, and below it `count` blocked ranks of `threads`
+    threads each (no IO, no CPU once started), ready once every rank shows all its threads."""
+
+    def __init__(self, count: int, threads: int):
+        from ma_runtime.supervise.worker import processes
+
+        self.count, self.threads = count, threads
+        self.agent = subprocess.Popen([sys.executable, "-c", AGENT_SOURCE, str(count), str(threads), RANK_SOURCE],
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            self.ranks = [pid for pid, proc in processes().items() if proc.ppid == self.agent.pid]
+            if len(self.ranks) == count and all(threads_of(pid) == threads for pid in self.ranks):
+                return
+            if time.monotonic() > deadline or self.agent.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"the agent's {count} ranks did not all reach {threads} threads within "
+                                   f"{START_TIMEOUT_S} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """The agent stops its ranks (SIGTERM); what is left of its session is killed."""
+        if self.agent.poll() is None:
+            self.agent.terminate()
+            try:
+                self.agent.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.agent.wait()
 
 
 def threads_of(pid: int) -> Optional[int]:
@@ -196,26 +266,19 @@ def threads_of(pid: int) -> Optional[int]:
         return None
 
 
-def stop_workers(workers: Sequence[subprocess.Popen]) -> None:
-    for proc in workers:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in workers:
-        proc.wait()
-
-
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
 class Periods:
-    """The runtime's monitor over this script's workers, with a clock that moves one period per tick."""
+    """The runtime's monitor over a Job, as the supervisor runs it, with a clock that moves one period per tick."""
 
-    def __init__(self, scratch: Path, expected: int):
+    def __init__(self, scratch: Path, job: Job):
+        from ma_runtime import children
         from ma_runtime import spec as spec_module
-        from ma_runtime.supervise import devices, hang
-        from ma_runtime.supervise.worker import descendants
+        from ma_runtime.supervise import devices, hang, ranks
+        from ma_runtime.supervise.worker import processes
 
         self.util_file = scratch / "util"
         self.util_file.write_text("0")
@@ -227,16 +290,34 @@ class Periods:
         self.config = hang.configure(spec, self.environ, self.log)
         if self.config is None or self.config.tool is None:
             raise RuntimeError(f"hang detection is not on with the fake nvidia-smi: {self.config}")
-        self.expected = expected
+        self.job = job
         self.now = 0.0
         self.level = 40
         self.tool_cpu = 0.0  # the utilisation call's own CPU, this tick
+        self.find_cpu = 0.0  # Finder.find's, this tick
         self.answers: List[Any] = []
-        me = os.getpid()
-        self.tree = hang._Tree(lambda: descendants(me))
+        finder = ranks.Finder()
+
+        def members():  # supervisor._job, the partial the supervisor hands the monitor, with this job's worker
+            exclude = children.NotTheCommand((), services=True)
+            return finder.find({AGENT_WORKER: job.agent.pid}, children.services(), processes(), exclude)
+
+        self.members = members
+        self.tree = hang._Tree(self._timed_members)
         self.utilisation = lambda: devices.utilisation(spec, self.environ)
         self.monitor = hang.Monitor(self.config, self._timed_utilisation, self.log, clock=lambda: self.now)
-        self.before = self.tree.sample()
+        self.before = self.tree.sample(None)  # Monitor._run's first look
+        expected = {f"rank {rank}" for rank in range(job.count)}
+        if set(self.tree.labels.values()) != expected or len(self.before) != job.count:
+            raise RuntimeError(f"the ranks finder found {len(self.before)} processes labelled "
+                               f"{sorted(set(self.tree.labels.values()))}, not the agent's {job.count} ranks")
+
+    def _timed_members(self):
+        started = time.process_time()
+        try:
+            return self.members()
+        finally:
+            self.find_cpu = time.process_time() - started
 
     def _timed_utilisation(self):
         started = time.process_time()
@@ -248,20 +329,27 @@ class Periods:
         return answer
 
     def tick(self) -> Dict[str, float]:
-        """One period, its CPU split three ways (seconds); the device level moves first, untimed."""
+        """One period as Monitor._run makes it, its CPU split (seconds); the device level moves first, untimed."""
         self.level = 120 - self.level  # 40, 80, 40, ...: changing, so never flat, never a hang
         self.util_file.write_text(str(self.level))
         self.now += self.config.period
         cpu, reaped, wall = time.process_time(), children_cpu(), time.perf_counter()
-        after = self.tree.sample()
-        found = self.monitor.tick(self.before, after, self.config.period, self.now)
-        cpu, reaped, wall = time.process_time() - cpu, children_cpu() - reaped, time.perf_counter() - wall
+        after = self.tree.sample(self.monitor._not_busy())
+        looked = time.process_time()
+        found = self.monitor.tick(self.before, after, self.config.period, self.now, self.tree.labels)
+        ended = time.process_time()
+        reaped, wall = children_cpu() - reaped, time.perf_counter() - wall
         self.before = after
         if found is not None:
-            raise RuntimeError(f"the monitor found a hang in a tree whose devices move: {found.describe()}")
-        if len(after) != self.expected:
-            raise RuntimeError(f"the tree sample holds {len(after)} processes, not the {self.expected} workers")
-        return {"detector": cpu - self.tool_cpu, "our_side": self.tool_cpu, "tool": reaped, "wall": wall}
+            raise RuntimeError(f"the monitor found a hang in a job whose devices move: {found.describe()}")
+        # Every rank idle, so the demand of each (schedstat of every thread) is read each period: the worst case.
+        demanded = sum(reading.demand is not None for reading in after.values())
+        if len(after) != self.job.count or demanded != self.job.count:
+            raise RuntimeError(f"the look holds {len(after)} processes, {demanded} with their demand read, not the "
+                               f"{self.job.count} ranks")
+        return {"detector": ended - cpu - self.tool_cpu, "finding": self.find_cpu,
+                "reading": looked - cpu - self.find_cpu, "judging": ended - looked - self.tool_cpu,
+                "our_side": self.tool_cpu, "tool": reaped, "wall": wall}
 
     def fill(self, ticks: int) -> None:
         """Untimed periods, so that the timed ones judge a full window, as in a long job."""
@@ -270,11 +358,11 @@ class Periods:
 
     def sample(self, ticks: int) -> Dict[str, Any]:
         self.answers.clear()
-        totals = {"detector": 0.0, "our_side": 0.0, "tool": 0.0, "wall": 0.0}
+        totals: Dict[str, float] = {}
         try:
             for _ in range(ticks):
                 for key, value in self.tick().items():
-                    totals[key] += value
+                    totals[key] = totals.get(key, 0.0) + value
         except RuntimeError as exc:
             return {"error": str(exc)}
         per = {f"{key}_ms": value * 1e3 / ticks for key, value in totals.items()}
@@ -340,32 +428,60 @@ def core_pct(ms_per_period: harness.Summary, period_s: float) -> harness.Summary
 
 
 def part_cost(args, scratch: Path) -> Dict[str, Any]:
-    workers = start_workers(WORKERS)
+    """One round-robin per rank count, each with its own job alone (of ours) on the machine."""
+    results: Dict[str, Any] = {}
+    samples: Dict[str, Any] = {}
+    for count in args.ranks:
+        results[count], samples[count] = cost_of(args, scratch, int(count))
+    if len(args.ranks) > 1:
+        results["per_rank_ms"] = per_rank(results, args.ranks)
+    results["met"] = all(results[count]["met"] for count in args.ranks)
+    return {"results": results, "samples": samples}
+
+
+def cost_of(args, scratch: Path, count: int):
+    job = Job(count, args.threads)
     try:
-        periods = Periods(scratch, WORKERS)
+        periods = Periods(scratch, job)
         # As many as the monitor keeps (its longest window and a period): its queues are as long as a long job's.
         window_ticks = int((max(periods.config.window, periods.config.startup) + periods.config.period)
                            / periods.config.period) + 1
         periods.fill(window_ticks)
-        harness.print_header(f"cost: the hang monitor over {WORKERS} blocked workers of {THREADS} threads, the fake "
-                             f"nvidia-smi with {DEVICES} GPUs; defaults: window {periods.config.window:g} s, period "
-                             f"{periods.config.period:g} s ({window_ticks} periods filled first); {args.ticks} "
-                             f"periods per sample; {process_count()} processes on the machine", args.rounds,
-                             args.warmup)
-        tasks = {PERIOD_ROW: lambda: periods.sample(args.ticks), PSUTIL_ANCHOR: lambda: naive_psutil(WORKERS),
-                 PS_ANCHOR: lambda: naive_ps(WORKERS)}
+        harness.print_header(f"cost, {count} ranks: the hang monitor over a torchrun-like job (the agent, named "
+                             f"pt_elastic, and {count} blocked ranks of {args.threads} threads: {count + 1} "
+                             f"processes, {count * args.threads} rank threads), the fake nvidia-smi with {DEVICES} "
+                             f"GPUs; defaults: window {periods.config.window:g} s, period {periods.config.period:g} s "
+                             f"({window_ticks} periods filled first); {args.ticks} periods per sample; "
+                             f"{process_count()} processes on the machine", args.rounds, args.warmup)
+        # The anchors' tree from this script: the agent and its ranks.
+        tasks = {PERIOD_ROW: lambda: periods.sample(args.ticks), PSUTIL_ANCHOR: lambda: naive_psutil(count + 1),
+                 PS_ANCHOR: lambda: naive_ps(count + 1)}
         samples = harness.round_robin(tasks, args.rounds, args.warmup)
-        return {"results": cost_report(samples, periods.config.period, periods.log.warnings), "samples": samples}
+        return cost_report(samples, periods.config.period, periods.log.warnings, count, args.threads), samples
     finally:
-        stop_workers(workers)
+        job.stop()
 
 
-def cost_report(samples, period_s: float, warnings: List[str]) -> Dict[str, Any]:
-    rows = [(DETECTOR, (PERIOD_ROW, "detector_ms")), (OUR_SIDE, (PERIOD_ROW, "our_side_ms")),
-            (FAKE_TOOL, (PERIOD_ROW, "tool_ms")), (PSUTIL_ANCHOR, (PSUTIL_ANCHOR, "cpu_ms")),
-            (PS_ANCHOR, (PS_ANCHOR, "cpu_ms"))]
-    cpu = harness.table("CPU per period (this process's process_time; a child's from its rusage)", samples, rows,
-                        "ms CPU", 2)
+def per_rank(results: Dict[str, Any], counts: Sequence[str]) -> Dict[str, Optional[float]]:
+    """What one more rank costs per period: the largest row's medians less the smallest's, over the ranks between."""
+    low, high = min(counts, key=int), max(counts, key=int)
+    added = int(high) - int(low)
+    slopes = {}
+    for label in SPLIT:
+        a, b = results[low]["cpu_ms"].get(label), results[high]["cpu_ms"].get(label)
+        slopes[label] = None if a is None or b is None else (b.median - a.median) / added
+    print(f"\nper added rank ({high} ranks' medians less {low} ranks', over {added}), ms CPU per period: " +
+          "; ".join(f"{label.strip()} {harness.number(value, 4)}" for label, value in slopes.items()))
+    return slopes
+
+
+def cost_report(samples, period_s: float, warnings: List[str], count: int, threads: int) -> Dict[str, Any]:
+    rows = [(DETECTOR, (PERIOD_ROW, "detector_ms")), (FINDING, (PERIOD_ROW, "finding_ms")),
+            (READING, (PERIOD_ROW, "reading_ms")), (JUDGING, (PERIOD_ROW, "judging_ms")),
+            (OUR_SIDE, (PERIOD_ROW, "our_side_ms")), (FAKE_TOOL, (PERIOD_ROW, "tool_ms")),
+            (PSUTIL_ANCHOR, (PSUTIL_ANCHOR, "cpu_ms")), (PS_ANCHOR, (PS_ANCHOR, "cpu_ms"))]
+    cpu = harness.table(f"{count} ranks ({count + 1} processes, {count * threads} rank threads): CPU per period "
+                        "(this process's process_time; a child's from its rusage)", samples, rows, "ms CPU", 2)
     harness.table("of which ps itself (rusage)", samples, [("ps -e, the child alone", (PS_ANCHOR, "child_ms"))],
                   "ms CPU", 2)
     harness.table("processes on the machine while measuring", samples,
@@ -384,7 +500,8 @@ def cost_report(samples, period_s: float, warnings: List[str]) -> Dict[str, Any]
     own = hourly["detector + our side"]
     with_tool = hourly["detector + our side + the fake tool"]
     met = own is not None and own.median <= GOAL_CORE_PCT
-    print(f"  the runtime's own CPU at the default period: {harness.number(own.median if own else None, 4)} % of "
+    print(f"  {count} ranks: the runtime's own CPU at the default period: "
+          f"{harness.number(own.median if own else None, 4)} % of "
           f"one core (median), goal <= {GOAL_CORE_PCT:g} %: {harness.verdict(met)}; with the fake tool's CPU too: "
           f"{harness.number(with_tool.median if with_tool else None, 4)} % (the real tool's is not this)")
     for warning in warnings:
@@ -521,11 +638,25 @@ def epoch_of(stamp: str) -> float:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
+def runtime_of(ma_run: str) -> str:
+    """Where `ma_run` imports ma_runtime from, in the environment the runs get (PYTHONPATH included): its interpreter
+    (the script's #! line) asked."""
+    try:
+        with open(ma_run) as script:
+            shebang = script.readline()
+        python = shebang[2:].split() if shebang.startswith("#!") else [sys.executable]
+        done = subprocess.run([*python, "-c", "import ma_runtime; print(ma_runtime.__file__)"], env=clean_environment(),
+                              capture_output=True, text=True, timeout=60, cwd="/")
+    except (OSError, IndexError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+    return str(Path(done.stdout.strip()).parent.parent) if done.returncode == 0 else f"unknown ({done.stderr[-200:]})"
+
+
 def part_latency(args, scratch: Path) -> Dict[str, Any]:
     bench = Latency(args, scratch)
     harness.print_header(f"latency: a worker computes {args.compute_seconds:g} s, then blocks in a lock; ma-run with "
-                         f"a {WINDOW_S:g} s window (period {PERIOD_S:g} s), no hang restarts", args.rounds,
-                         args.warmup)
+                         f"a {WINDOW_S:g} s window (period {PERIOD_S:g} s), no hang restarts; its ma_runtime: "
+                         f"{runtime_of(args.ma_run)}", args.rounds, args.warmup)
     rows = {"1": (ONE_RANK, 1), "8": (EIGHT_RANKS, 8)}
     tasks = {rows[key][0]: (lambda ranks=rows[key][1]: bench.run(ranks)) for key in args.latency_rows}
     samples = harness.round_robin(tasks, args.rounds, args.warmup)
@@ -551,6 +682,7 @@ def part_latency(args, scratch: Path) -> Dict[str, Any]:
 def environment_info(args) -> Dict[str, Any]:
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
             "rounds": args.rounds, "warmup": args.warmup, "ticks": args.ticks, "parts": args.parts,
+            "ranks": args.ranks, "threads": args.threads,
             "ma_run": args.ma_run, "compute_seconds": args.compute_seconds}
 
 
