@@ -255,7 +255,8 @@ def _valid(document: Any) -> Dict[str, Any]:
     records.text(pod["task_name"], "`pod.task_name`")
     records.integer(pod["task_index"], "`pod.task_index`", 0, MAX_TASK_INDEX)
     records.integer(pod["schedule_cnt"], "`pod.schedule_cnt`", 1, MAX_ATTEMPT)
-    attempt = records.integer(document["attempt"], "`attempt`", 1, MAX_ATTEMPT)
+    # The next start is the recorded one + 1, and MA_PROC_START_CNT stays in its documented range.
+    attempt = records.integer(document["attempt"], "`attempt`", 1, MAX_ATTEMPT - 1)
     records.integer(document["first"], "`first`", 1, attempt)
     records.text(document["run_id"], "`run_id`")
     records.flag(document["finished"], "`finished`")

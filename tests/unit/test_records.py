@@ -249,9 +249,14 @@ def test_the_warning_says_what_was_wrong_in_words(tmp_path):
     log = Log()
     kind.load(path, log)
     assert log.fields("record set aside")[0]["problem"] == \
-        "`attempt`: an int in 1..1000000 is wanted, found an int of 30 digits"
-    # Three set aside in the same second each got a name of their own.
-    assert len(list(path.parent.glob(f"{path.name}.set-aside-*"))) == 4
+        "`attempt`: an int in 1..999999 is wanted, found an int of 30 digits"
+    # The last attempt MA_PROC_START_CNT allows has no next one: a record of it is no record to go on from.
+    put(path, changed(kind.good, ("attempt",), 1000000), kind.limit)
+    log = Log()
+    assert not kind.load(path, log)  # not continued from
+    assert log.fields("record set aside")[0]["problem"] == "`attempt`: an int in 1..999999 is wanted, found 1000000"
+    # Those set aside in the same second each got a name of their own.
+    assert len(list(path.parent.glob(f"{path.name}.set-aside-*"))) == 5
 
 
 def test_a_torn_journal_line_is_no_damage_but_a_foreign_line_is(tmp_path):
