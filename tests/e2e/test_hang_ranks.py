@@ -103,14 +103,16 @@ def loaded_node():
 @pytest.mark.parametrize("mode", ["busy", "burst"])
 def test_a_cpu_bound_job_on_a_loaded_node_is_not_a_hang(job_env, tmp_path, loaded_node, mode):
     """A busy loop got 0.43 of a core at load 8.7 and was declared hung (`at most 0.43 CPU cores`); so was one that
-    computes 70 ms and sleeps 30 ms. Three windows of either, on a node loaded four times over: not hung."""
+    computes 70 ms and sleeps 30 ms. Three windows of either, at the lowest priority on a node loaded four times
+    over (tests/e2e/jobs/hang_ranks.py: the job gives way to the busy loops): not hung."""
     env = hang_env(job_env, tmp_path, MODE=mode, SECONDS=3 * WINDOW, MA_RUNTIME_HANG_STARTUP_SECONDS=WINDOW)
 
     result = run_ma([sys.executable, str(JOB)], env, timeout=240)
 
     assert result.returncode == 0, result.stderr[-3000:]
     assert not named(env, "job suspected hung")
-    assert os.getloadavg()[0] > 2 * (os.cpu_count() or 1)  # the load was there
+    # The load was there: the job got well under the core it asked for (0.7 for burst on a quiet node).
+    assert float((Path(env["MARKS"]) / "share").read_text()) < 0.5
 
 
 def test_a_second_attempt_computing_before_its_first_progress_line_is_not_hung(job_env, tmp_path):

@@ -5,7 +5,9 @@ wall-clock time when a rank stops making progress.
   threading.Event().wait(): the hang of issue 24, under torchrun;
 - mpi: the same with mpi4py under mpirun: rank 0 busy-polls in MPI_Barrier (Open MPI spins a core), rank 1 blocks;
 - ms: MindSpore's init() under msrun (its scheduler keeps logging), one step, then every rank blocks;
-- busy: spins for SECONDS (no IO, no syscalls); burst: computes 70 ms and sleeps 30 ms for SECONDS; exit 0;
+- busy: spins for SECONDS (no IO, no syscalls); burst: computes 70 ms and sleeps 30 ms for SECONDS; each at the
+  lowest priority (nice 19, its scheduling group's too); exit 0, having written to MARKS/share the part of a core
+  it got;
 - warm_then_steps: attempt 1 prints `step <n>` for a while, then blocks (a hang); a later attempt first computes for
   SECONDS printing nothing (importing torch on a loaded node), then prints steps and exits 0.
 """
@@ -75,6 +77,18 @@ def burst(seconds: float) -> None:
         time.sleep(0.03)
 
 
+def yield_the_node() -> None:
+    """The lowest priority, so that the test's busy loops take the cores from it. Its session has a scheduling group
+    of its own (the runtime starts each worker with setsid; Linux's autogroup), which shares the cores with the
+    others' groups whatever runs in them: the group's own nice is what gives way."""
+    os.nice(19)
+    try:
+        with open("/proc/self/autogroup", "w") as handle:
+            handle.write("19")
+    except OSError:
+        pass  # no autogroup (CONFIG_SCHED_AUTOGROUP off, or disabled): the process's nice is the one that counts
+
+
 def warm_then_steps() -> None:
     if ATTEMPT == 1:
         for step in range(3):
@@ -95,10 +109,12 @@ if __name__ == "__main__":
         mpi_job()
     elif MODE == "ms":
         ms_job()
-    elif MODE == "busy":
-        spin(float(os.environ["SECONDS"]))
-    elif MODE == "burst":
-        burst(float(os.environ["SECONDS"]))
+    elif MODE in ("busy", "burst"):
+        yield_the_node()
+        began, cpu = time.monotonic(), time.process_time()
+        (spin if MODE == "busy" else burst)(float(os.environ["SECONDS"]))
+        with open(os.path.join(MARKS, "share"), "w") as handle:  # the part of a core it got
+            handle.write(repr((time.process_time() - cpu) / (time.monotonic() - began)))
     elif MODE == "warm_then_steps":
         warm_then_steps()
     else:
