@@ -1,5 +1,5 @@
 """Hang detection watches the ranks, not the launcher (issue 24): real torchrun (gloo), msrun (MindSpore CPU) and
-Open MPI hangs with no progress signal, found within the window and a period; a CPU-bound job on a loaded node that
+Open MPI hangs with no progress signal, found (how soon: benchmarks/hang.py); a CPU-bound job on a loaded node that
 is not; a second attempt's busy start before its first progress line that is not. CPU jobs (no accelerator), so
 MA_RUNTIME_HANG_DETECT=on; the window is 5 s (period 1 s, start-up allowance 10 s).
 """
@@ -18,9 +18,7 @@ from tests.e2e.test_hang import named, termination
 from tests.e2e.test_launchers import MS_BIN, TORCH_BIN, launcher_env, needs_mindspore, needs_torch
 
 JOB = ROOT / "tests" / "e2e" / "jobs" / "hang_ranks.py"
-WINDOW, PERIOD = 5.0, 1.0
-# What a busy 2-core machine adds to "within the window and a period": a log line's write, a sample's lateness.
-SLACK = 4.0
+WINDOW = 5.0
 
 
 def hang_env(job_env, tmp_path, bin_dir=TORCH_BIN, **settings):
@@ -40,7 +38,9 @@ def detected_after_the_last_step(env) -> float:
 
 def assert_found_naming_rank_1(env, result):
     assert result.returncode == 83, result.stderr[-3000:]
-    assert 0 < detected_after_the_last_step(env) <= WINDOW + PERIOD + SLACK
+    # Found after the ranks stopped, not before; how soon is benchmarks/hang.py's (no timed assertion here: the
+    # machines are shared).
+    assert detected_after_the_last_step(env) > 0
     message = termination(env)
     assert message["exit_code"] == 83 and message["rank"] == 1, message
     assert "pt_elastic" not in message["reason"] and "ma_runtime/" not in result.stderr  # no traceback of ours
@@ -88,7 +88,9 @@ def test_msrun_ranks_blocked_while_its_scheduler_keeps_logging_is_found(job_env,
     result = run_ma(["python", str(JOB)], env, timeout=300)
 
     assert result.returncode == 83, result.stderr[-3000:]
-    assert 0 < detected_after_the_last_step(env) <= WINDOW + PERIOD + SLACK
+    # Found after the ranks stopped, not before; how soon is benchmarks/hang.py's (no timed assertion here: the
+    # machines are shared).
+    assert detected_after_the_last_step(env) > 0
     reason = termination(env)["reason"]
     assert reason.startswith("job suspected hung: no IO for 5 s, and every rank idle throughout"), reason
     # Both ranks' stacks, not the scheduler's (which runs the same script with RANK_ID=0).
