@@ -18,37 +18,31 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, children, logs, termination
 from ma_runtime import attempt as attempt_module
+from ma_runtime import children, logs, termination
 from ma_runtime import spec as spec_module
 from ma_runtime import verdict as verdict_module
 from ma_runtime.errors import (
     Category,
     ConfigError,
     ExitCode,
-    LaunchTimedOut,
     PreflightFailed,
     RuntimeFailure,
 )
+from ma_runtime.launch import peers, registry
 from ma_runtime.launch import plan as plan_module
-from ma_runtime.launch import registry
 from ma_runtime.launch.args import build_argv
 from ma_runtime.output import Sink
 from ma_runtime.redact import Masker
 from ma_runtime.stagein import Staged, code_dir, stage_in
+from ma_runtime.supervise import attempt_processes
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, become_subreaper, is_pid1
-from ma_runtime.supervise.supervisor import Outcome, State, Supervisor
-from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker, descendants, processes, spawn, sweep
+from ma_runtime.supervise.supervisor import Outcome, State
+from ma_runtime.supervise.worker import SIGNAL_NAMES, descendants, processes, sweep
 
-# The resolved settings that have a platform name are exported to the command
-# under that name, so it sees the same job the runtime saw (MA_PROC_START_CNT: the attempt's number);
-# and the progress file, so that the training knows what to touch however the setting was given.
-_EXPORTED = ("ma_home", "mount_path", "job_dir", "log_dir", "task_name", "task_index", "num_hosts", "num_gpus",
-             "schedule_cnt", "vj_name", "hang_progress_file")
 # How long a wait on the signal queue lasts at most (a wake-up lost would cost no more).
 _TICK = 1.0
 # The files a final sync missed, one log line each, up to this many (the termination message lists them too).
@@ -120,7 +114,7 @@ def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], cont
     staged = stage_in(spec, os.environ, log, first.number)  # a later attempt reuses what was staged
     # The hooks see what the command will see (MA_LOG_DIR, VC_TASK_INDEX, the staged channels resolved); a later
     # runtime in this pod (first.number > 1) reuses what the first one installed and its hook exported.
-    seen_by_hooks = {**_worker_env(spec, context.run_id, first.number, os.environ), **staged.env}
+    seen_by_hooks = {**attempt_processes.worker_env(spec, context.run_id, first.number, os.environ), **staged.env}
     changes = hooks.prepare(spec, seen_by_hooks, command, context.task_log, log, reuse=first.number > 1,
                             exclude=(context.guard.pid,) if context.guard is not None else ())
     rank_table = None
@@ -130,7 +124,8 @@ def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], cont
         rank_table = ranktable.prepare(spec, os.environ, log)
         staged.env.update(rank_table.env)
     environ = changes.apply(os.environ)
-    _start_services(spec, _worker_env(spec, context.run_id, first.number, environ), log, context, stopped)
+    services_env = attempt_processes.worker_env(spec, context.run_id, first.number, environ)
+    _start_services(spec, services_env, log, context, stopped)
     return _Prepared(staged, environ, rank_table)
 
 
@@ -393,7 +388,8 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
         context.attempt = attempt
         _record_quietly(spec, attempt)
         context.start_uploader()
-        outcome = _launch(spec, plan, attempt, context, current, hangs)
+        outcome = attempt_processes.run_attempt(spec, plan, attempt, context, current.environ, current.staged.env,
+                                                hangs)
         verdict = _verdict(outcome, plan, attempt)
         history.append(verdict)
         decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
@@ -420,12 +416,10 @@ def _plan(spec: spec_module.JobSpec, command: Sequence[str], prepared: _Prepared
           stopped: threading.Event) -> plan_module.Plan:
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
     argv = build_argv(command, [*prepared.staged.arguments, *spec.hyperparameters])
-    resolve = functools.partial(resolve_until, seconds=spec.master_resolve_seconds)
+    resolve = functools.partial(peers.resolve_until, seconds=spec.master_resolve_seconds)
     log = logs.get_logger()
 
     def reach(endpoints):  # mpirun's worker-0 waits for every node's sshd (launch/peers.py)
-        from ma_runtime.launch import peers
-
         return peers.reach_all(endpoints, spec.peer_wait_seconds, log, stopped)
 
     # What the stages set or changed for the workers: the hooks' exports, stage-in's variables.
@@ -467,79 +461,6 @@ def _hang_config(spec: spec_module.JobSpec, log):
     from ma_runtime.supervise import hang
 
     return hang.configure(spec, os.environ, log)
-
-
-class _Watch:
-    """One attempt's hang monitor, and what the workers need for it: the stack-dump registration in their
-    environment, the progress pattern among their output's destinations."""
-
-    def __init__(self, spec: spec_module.JobSpec, config, attempt, log):
-        from ma_runtime.supervise import devices, hang, stacks
-
-        self.stacks = stacks
-        self.registry: Optional[Path] = None
-        if config.stacks:
-            try:
-                self.registry = stacks.registry_dir(spec.state_dir, attempt.run_id, attempt.number)
-            except OSError as exc:  # a read-only state folder costs the stacks, not the job
-                log.warning("no stacks for a hung attempt: cannot create the stack-dump folder",
-                            path=str(spec.state_dir / "stacks"), error=exc.strerror or str(exc))
-        out_dir = spec.log_dir / f"{spec.log_stem}-stacks" / f"attempt-{attempt.number}"
-        where = functools.partial(stacks.dump, self.registry, out_dir, log=log) if self.registry else None
-        self.monitor = hang.Monitor(config, functools.partial(devices.utilisation, spec, os.environ), log, where)
-        sink = self.monitor.sink()
-        self.sinks = [sink] if sink is not None else []
-
-    def env(self, base: Mapping[str, str]) -> Dict[str, str]:
-        return self.stacks.worker_env(self.registry, base) if self.registry is not None else {}
-
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()  # the progress pattern's matcher process ends with its attempt
-        if self.registry is not None:
-            self.stacks.clean(self.registry)
-
-
-def _launch(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context: _Context,
-            prepared: _Prepared, hangs=None) -> Outcome:
-    """One attempt: spawn every planned worker and supervise them until all have exited and nothing is left."""
-    log = logs.get_logger()
-    launcher = registry.launcher(plan.method)
-    follower = None
-    opened: List[Sink] = []  # the attempt's proc logs
-    watch = _Watch(spec, hangs, attempt, log) if hangs is not None else None
-    try:
-        # Logged before the spawn, so that it precedes the command's output everywhere.
-        log.info(
-            "starting command",
-            version=__version__,
-            argv=list(plan.workers[0].argv),
-            method=plan.method,
-            processes=len(plan.workers),
-            pid1=is_pid1(),
-            run_id=context.run_id,
-            attempt=attempt.number,
-            task_log=str(spec.task_log_path),
-        )
-        base_env = {**_worker_env(spec, context.run_id, attempt.number, prepared.environ), **prepared.staged.env}
-        extra = watch.sinks if watch is not None else []
-        if watch is not None:
-            base_env.update(watch.env(base_env))
-        follower = _follow_rank_logs(launcher.rank_logs(plan), context, extra)
-        if context.uploader is not None and attempt.number > 1:
-            context.uploader.stopping(None)  # the last attempt's stop is over: this one's files are its own
-        workers = _spawn_all(plan, base_env, context, attempt, opened, extra)
-        return Supervisor(workers if len(workers) > 1 else workers[0], context.signals, spec.stop_grace_seconds,
-                          log, guard=context.guard, forwards=launcher.forwards_to,
-                          hangs=watch.monitor if watch is not None else None,
-                          on_stop=context.uploader.stopping if context.uploader is not None else None).run()
-    finally:
-        if watch is not None:
-            watch.close()
-        if follower is not None:
-            follower.stop()
-        for sink in opened:
-            sink.close()
 
 
 def _verdict(outcome: Outcome, plan: plan_module.Plan, attempt) -> verdict_module.Verdict:
@@ -594,110 +515,6 @@ def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_mod
         )
         context.write_termination(**fields)
     return context.sync_at_end(fields, outcome.stop_requested_at, outcome.workers_stopped_at)
-
-
-def _spawn_all(plan, base_env: Mapping[str, str], context: _Context, attempt, opened: List[Sink],
-               extra_sinks: Sequence[Sink] = ()) -> List[Worker]:
-    """One process per planned worker; several get a rank prefix on the console and in the task log, and a
-    proc log of their own with their raw lines (`opened`, for the caller to close). Each holds the guard's
-    mark (`guard.pass_fds`). `extra_sinks` get every worker's raw output too (the progress pattern)."""
-    guard = context.guard
-    several = len(plan.workers) > 1
-    # One Sink object per destination, shared by every worker: its lock keeps lines whole across ranks.
-    stdout, stderr = Sink(1, "<stdout>"), logs.stderr_sink()
-    task_log = context.task_log.as_console() if several else context.task_log
-    workers: List[Worker] = []
-    _write_files(plan)
-    try:
-        for planned in plan.workers:
-            proc_log = _proc_log(planned, attempt)
-            own = [proc_log] if proc_log else []
-            opened.extend(own)
-            extra = [*own, *extra_sinks]
-            workers.append(spawn(
-                planned.argv,
-                {**base_env, **planned.env},
-                cwd=planned.cwd,
-                stdout_sinks=[stdout, task_log, *extra],
-                stderr_sinks=[stderr, task_log, *extra],
-                name=planned.name,
-                console_prefix=f"[{planned.name}] ".encode() if several else None,
-                pass_fds=guard.pass_fds if guard else (),
-            ))
-    except BaseException:
-        for worker in workers:  # a later spawn failed: the ranks already started must not run alone
-            worker.signal_group(signal.SIGKILL)
-        raise
-    return workers
-
-
-def _follow_rank_logs(folder: Optional[str], context: _Context, extra_sinks: Sequence[Sink] = ()):
-    """A launcher that writes each rank's output to a file only (msrun): follow those onto the console and
-    the task log (and `extra_sinks`: the progress pattern)."""
-    if not folder:
-        return None
-    from ma_runtime.supervise.follow import LogFollower
-
-    follower = LogFollower(Path(folder), [Sink(1, "<stdout>"), context.task_log, *extra_sinks])
-    follower.start()
-    return follower
-
-
-def _write_files(plan) -> None:
-    """The files the plan's processes read (mpirun's hostfile), whole before any starts."""
-    from ma_runtime.files import write_atomically
-
-    for planned in plan.workers:
-        for path, text in planned.files.items():
-            try:
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                write_atomically(path, text)
-            except OSError as exc:
-                raise ConfigError(f"cannot write {path}: {exc.strerror or exc}",
-                                  hint="the runtime's state folder in MA_MOUNT_PATH must be writable") from None
-
-
-def _proc_log(planned, attempt) -> Optional[Sink]:
-    path = planned.logs.get("proc")
-    if not path:
-        return None
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        sink = Sink.open_append(path)  # appended: a restart never overwrites the last attempt's lines
-    except OSError as exc:
-        raise ConfigError(f"cannot write the proc log {path}: {exc.strerror}") from None
-    # One line where each attempt starts, so that a reader of the appended file can tell them apart.
-    sink.write(f"==== ma-runtime: attempt {attempt.number} (run {attempt.run_id}) ====\n".encode())
-    return sink
-
-
-def resolve_until(host: str, seconds: float) -> str:
-    """Worker-0's IP (msrun wants one): retried, since a node's DNS record can lag the pod's start."""
-    import socket
-    import time
-
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise LaunchTimedOut(
-                    f"worker-0's address {host} did not resolve within {seconds:g} s ({exc})",
-                    hint="check VC_WORKER_HOSTS and the cluster DNS; MA_RUNTIME_MASTER_RESOLVE_SECONDS sets the wait",
-                ) from None
-            time.sleep(1.0)
-
-
-def _worker_env(spec: spec_module.JobSpec, run_id: str, attempt: int, environ: Mapping[str, str]) -> Dict[str, str]:
-    env = dict(environ)
-    env["MA_PROC_START_CNT"] = str(attempt)
-    for name in _EXPORTED:
-        value = getattr(spec, name)
-        if value is not None:
-            env[spec_module.SETTINGS_BY_NAME[name].env] = str(value)
-    env[guard_module.LINEAGE_ENV] = guard_module.lineage(os.environ, run_id)
-    return env
 
 
 def _preflight(spec: spec_module.JobSpec, log) -> None:

@@ -10,10 +10,11 @@ from typing import Mapping, Optional, Sequence
 
 from ma_runtime import logs, stagein
 from ma_runtime import spec as spec_module
-from ma_runtime.bootstrap import early_log_format, resolve_until
+from ma_runtime.bootstrap import early_log_format
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut, RuntimeFailure
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch.args import build_argv
+from ma_runtime.launch.peers import resolve_until
 from ma_runtime.redact import Masker
 
 

@@ -106,6 +106,21 @@ def reach_all(endpoints: Sequence[Endpoint], seconds: float, log, stopped: threa
     return addresses
 
 
+def resolve_until(host: str, seconds: float) -> str:
+    """Worker-0's IP (msrun wants one): retried, since a node's DNS record can lag the pod's start."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LaunchTimedOut(
+                    f"worker-0's address {host} did not resolve within {seconds:g} s ({exc})",
+                    hint="check VC_WORKER_HOSTS and the cluster DNS; MA_RUNTIME_MASTER_RESOLVE_SECONDS sets the wait",
+                ) from None
+            time.sleep(1.0)
+
+
 def watcher_argv(endpoints: Sequence[Endpoint], appear_seconds: float, command: Sequence[str] = (),
                  gone_seconds: Optional[float] = None) -> List[str]:
     """The watcher program's command line, on the runtime's own interpreter (isolated when the runtime is)."""
