@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ma_runtime import attempt as attempt_module
-from ma_runtime import children, logs, termination
+from ma_runtime import children, ending, logs, termination
 from ma_runtime import spec as spec_module
 from ma_runtime import verdict as verdict_module
 from ma_runtime.errors import (
@@ -40,13 +40,11 @@ from ma_runtime.stagein import Staged, code_dir, stage_in
 from ma_runtime.supervise import attempt_processes
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, become_subreaper, is_pid1
-from ma_runtime.supervise.supervisor import Outcome, State
+from ma_runtime.supervise.supervisor import State
 from ma_runtime.supervise.worker import SIGNAL_NAMES, descendants, processes, sweep
 
 # How long a wait on the signal queue lasts at most (a wake-up lost would cost no more).
 _TICK = 1.0
-# The files a final sync missed, one log line each, up to this many (the termination message lists them too).
-MAX_UNSYNCED_LINES = 50
 # How long the processes a stopped stage left behind get to die of SIGKILL.
 _STRAGGLER_KILL_SECONDS = 2.0
 
@@ -278,7 +276,7 @@ class _Context:
             self._sync_logs_again(deadline)
             return fields["exit_code"]
         unsynced = result.missing or [f"(unknown: {result.error})"]
-        fields = _after_incomplete_sync(fields, unsynced, result, self.spec.sync_final_seconds, log)
+        fields = ending.after_incomplete_sync(fields, unsynced, result, self.spec.sync_final_seconds, log)
         self.write_termination(**fields, unsynced=unsynced)
         self._sync_logs_again(deadline)
         return fields["exit_code"]
@@ -328,41 +326,6 @@ class _Context:
             sweep(members, _STRAGGLER_KILL_SECONDS)
 
 
-def _after_incomplete_sync(fields: Dict[str, Any], unsynced: List[str], result, deadline_s: float,
-                           log) -> Dict[str, Any]:
-    """Logs what the final sync missed (`elapsed_s`: how long it took; `deadline_s`: MA_RUNTIME_FINAL_SYNC_SECONDS);
-    a job that had succeeded becomes exit 80 (its outputs would be lost), any other keeps its own verdict. Returns
-    the termination message's fields."""
-    log.warning("final sync incomplete", missing=len(result.missing) if result.answered else "unknown",
-                error=result.error, elapsed_s=result.seconds, deadline_s=deadline_s)
-    for entry in unsynced[:MAX_UNSYNCED_LINES]:
-        log.warning("not synced", file=entry)
-    if fields["exit_code"] != 0:
-        return fields
-    fields = dict(
-        stage="sync", category=Category.INFRASTRUCTURE.value, exit_code=int(ExitCode.STORAGE_FAILED),
-        reason=_unsynced_reason(unsynced, result, deadline_s),
-        hint="the command succeeded but its outputs are not all in the store: check the endpoint and the "
-             "credentials, or give the final sync more time (MA_RUNTIME_FINAL_SYNC_SECONDS)",
-        attempt=fields.get("attempt"))
-    log.error(f"error,exiting: {fields['reason']}", stage="sync", exit_code=fields["exit_code"])
-    return fields
-
-
-def _unsynced_reason(unsynced: List[str], result, deadline_s: float) -> str:
-    """`outputs not synced: 3 file(s) did not reach the store within ...: train_url: a.pt, ...`."""
-    from ma_runtime.sync.targets import LOG_CHANNEL
-
-    what = "logs" if all(entry.startswith(f"{LOG_CHANNEL}: ") for entry in unsynced) else "outputs"
-    if not result.answered:
-        reason = f"{what} not synced: the final sync did not finish"
-    else:
-        shown = ", ".join(unsynced[:3]) + (f", and {len(unsynced) - 3} more" if len(unsynced) > 3 else "")
-        reason = (f"{what} not synced: {len(unsynced)} file(s) did not reach the store within "
-                  f"MA_RUNTIME_FINAL_SYNC_SECONDS={deadline_s:g}: {shown}")
-    return reason + (f" ({result.error})" if result.error else "")
-
-
 def _record_quietly(spec, attempt, finished: bool = False) -> None:
     try:
         attempt_module.record(spec, attempt, finished)
@@ -390,7 +353,7 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Conte
         context.start_uploader()
         outcome = attempt_processes.run_attempt(spec, plan, attempt, context, current.environ, current.staged.env,
                                                 hangs)
-        verdict = _verdict(outcome, plan, attempt)
+        verdict = ending.attempt_verdict(outcome, plan, attempt)
         history.append(verdict)
         decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
         if not decision.restart:
@@ -463,56 +426,12 @@ def _hang_config(spec: spec_module.JobSpec, log):
     return hang.configure(spec, os.environ, log)
 
 
-def _verdict(outcome: Outcome, plan: plan_module.Plan, attempt) -> verdict_module.Verdict:
-    """The attempt's verdict, and its `command exited` line."""
-    log = logs.get_logger()
-    launcher = registry.launcher(plan.method)
-    verdict = verdict_module.of(outcome, plan, launcher.root_cause, launcher.OWN_CODE_AFTER_STOP)
-    worker = outcome.worker
-    log.info(
-        "command exited",
-        exit_code=verdict.exit_code,
-        returncode=outcome.returncode,
-        signal=SIGNAL_NAMES.get(-verdict.returncode) if verdict.returncode < 0 else None,
-        pid=worker.pid,
-        rank=verdict.rank,
-        duration_s=round(outcome.duration, 3),
-        leftovers=outcome.leftovers,
-        attempt=attempt.number,
-    )
-    split = sum(pump.lines_split for pump in worker.pumps)  # the deciding worker's; the others' are rare
-    if split:
-        log.warning("lines over the length limit were cut to bound memory", count=split)
-    return verdict
-
-
 def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict], attempt,
             context: _Context, outcome) -> int:
     """The job's exit code and termination message, from the last attempt's verdict and the decision; then the
     final sync, which can turn a success into 80."""
-    final = verdict_module.gave_up(verdict, decision.why) if decision.gave_up else verdict
-    if decision.gave_up:
-        logs.get_logger().error(f"error,exiting: {final.reason}", hint=final.hint, stage="supervise",
-                                exit_code=final.exit_code, attempts=len(history))
-    elif decision.why and verdict.exit_code != 0:
-        logs.get_logger().info("not restarting", reason=decision.why)
-    fields: Dict[str, Any] = dict(exit_code=0, attempt=attempt.number)
-    if final.exit_code != 0:
-        numbers = range(attempt.number - len(history) + 1, attempt.number + 1)
-        fields = dict(
-            stage="supervise",
-            category=final.category,
-            exit_code=final.exit_code,
-            signal=final.signal,
-            rank=final.rank,
-            reason=final.reason,
-            hint=final.hint,
-            tail=list(final.tail),
-            attempt=attempt.number,
-            command_exit_code=verdict.exit_code if decision.gave_up else None,
-            attempts=[v.summary(n) for v, n in zip(history, numbers)] if len(history) > 1 or decision.gave_up
-            else None,
-        )
+    fields = ending.job_fields(verdict, decision, history, attempt)
+    if fields["exit_code"] != 0:
         context.write_termination(**fields)
     return context.sync_at_end(fields, outcome.stop_requested_at, outcome.workers_stopped_at)
 

@@ -1342,10 +1342,10 @@ def test_the_first_logs_of_a_final_sync_get_a_third_of_the_time_left_and_the_out
     (["(unknown)"], False, "outputs not synced: the final sync did not finish"),
 ])
 def test_the_exit_80_reason_names_the_first_files_missing(unsynced, answered, expected):
-    from ma_runtime import bootstrap
+    from ma_runtime import ending
 
     result = control.FinalResult(missing=unsynced, answered=answered)
-    assert bootstrap._unsynced_reason(unsynced, result, 3.0) == expected
+    assert ending.unsynced_reason(unsynced, result, 3.0) == expected
 
 
 def test_a_folder_whose_walk_is_costly_is_walked_less_often(tmp_path):

@@ -1,0 +1,106 @@
+"""The end of an attempt and of the run: the attempt's verdict and its `command exited` line, the job's verdict as the
+termination message's fields (the last attempt's, or 82 when restarts did not help), and what an incomplete final
+sync makes of them (a success becomes 80). Pure but for the log lines; the run (bootstrap) writes the message and
+runs the sync.
+"""
+
+from typing import Any, Dict, List
+
+from ma_runtime import logs
+from ma_runtime import verdict as verdict_module
+from ma_runtime.errors import Category, ExitCode
+from ma_runtime.launch import plan as plan_module
+from ma_runtime.launch import registry
+from ma_runtime.supervise.supervisor import Outcome
+from ma_runtime.supervise.worker import SIGNAL_NAMES
+
+# The files a final sync missed, one log line each, up to this many (the termination message lists them too).
+MAX_UNSYNCED_LINES = 50
+
+
+def attempt_verdict(outcome: Outcome, plan: plan_module.Plan, attempt) -> verdict_module.Verdict:
+    """The attempt's verdict, and its `command exited` line."""
+    log = logs.get_logger()
+    launcher = registry.launcher(plan.method)
+    verdict = verdict_module.of(outcome, plan, launcher.root_cause, launcher.OWN_CODE_AFTER_STOP)
+    worker = outcome.worker
+    log.info(
+        "command exited",
+        exit_code=verdict.exit_code,
+        returncode=outcome.returncode,
+        signal=SIGNAL_NAMES.get(-verdict.returncode) if verdict.returncode < 0 else None,
+        pid=worker.pid,
+        rank=verdict.rank,
+        duration_s=round(outcome.duration, 3),
+        leftovers=outcome.leftovers,
+        attempt=attempt.number,
+    )
+    split = sum(pump.lines_split for pump in worker.pumps)  # the deciding worker's; the others' are rare
+    if split:
+        log.warning("lines over the length limit were cut to bound memory", count=split)
+    return verdict
+
+
+def job_fields(verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict],
+               attempt) -> Dict[str, Any]:
+    """The job's verdict from the last attempt's and the decision (82 when the runtime gave up restarting), as the
+    termination message's fields; only `exit_code` and `attempt` for a success."""
+    final = verdict_module.gave_up(verdict, decision.why) if decision.gave_up else verdict
+    if decision.gave_up:
+        logs.get_logger().error(f"error,exiting: {final.reason}", hint=final.hint, stage="supervise",
+                                exit_code=final.exit_code, attempts=len(history))
+    elif decision.why and verdict.exit_code != 0:
+        logs.get_logger().info("not restarting", reason=decision.why)
+    fields: Dict[str, Any] = dict(exit_code=0, attempt=attempt.number)
+    if final.exit_code != 0:
+        numbers = range(attempt.number - len(history) + 1, attempt.number + 1)
+        fields = dict(
+            stage="supervise",
+            category=final.category,
+            exit_code=final.exit_code,
+            signal=final.signal,
+            rank=final.rank,
+            reason=final.reason,
+            hint=final.hint,
+            tail=list(final.tail),
+            attempt=attempt.number,
+            command_exit_code=verdict.exit_code if decision.gave_up else None,
+            attempts=[v.summary(n) for v, n in zip(history, numbers)] if len(history) > 1 or decision.gave_up
+            else None,
+        )
+    return fields
+
+
+def after_incomplete_sync(fields: Dict[str, Any], unsynced: List[str], result, deadline_s: float,
+                           log) -> Dict[str, Any]:
+    """Logs what the final sync missed (`elapsed_s`: how long it took; `deadline_s`: MA_RUNTIME_FINAL_SYNC_SECONDS);
+    a job that had succeeded becomes exit 80 (its outputs would be lost), any other keeps its own verdict. Returns
+    the termination message's fields."""
+    log.warning("final sync incomplete", missing=len(result.missing) if result.answered else "unknown",
+                error=result.error, elapsed_s=result.seconds, deadline_s=deadline_s)
+    for entry in unsynced[:MAX_UNSYNCED_LINES]:
+        log.warning("not synced", file=entry)
+    if fields["exit_code"] != 0:
+        return fields
+    fields = dict(
+        stage="sync", category=Category.INFRASTRUCTURE.value, exit_code=int(ExitCode.STORAGE_FAILED),
+        reason=unsynced_reason(unsynced, result, deadline_s),
+        hint="the command succeeded but its outputs are not all in the store: check the endpoint and the "
+             "credentials, or give the final sync more time (MA_RUNTIME_FINAL_SYNC_SECONDS)",
+        attempt=fields.get("attempt"))
+    log.error(f"error,exiting: {fields['reason']}", stage="sync", exit_code=fields["exit_code"])
+    return fields
+
+
+def unsynced_reason(unsynced: List[str], result, deadline_s: float) -> str:
+    """`outputs not synced: 3 file(s) did not reach the store within ...: train_url: a.pt, ...`."""
+    from ma_runtime.sync.targets import LOG_CHANNEL
+
+    what = "logs" if all(entry.startswith(f"{LOG_CHANNEL}: ") for entry in unsynced) else "outputs"
+    if not result.answered:
+        reason = f"{what} not synced: the final sync did not finish"
+    else:
+        shown = ", ".join(unsynced[:3]) + (f", and {len(unsynced) - 3} more" if len(unsynced) > 3 else "")
+        reason = (f"{what} not synced: {len(unsynced)} file(s) did not reach the store within "
+                  f"MA_RUNTIME_FINAL_SYNC_SECONDS={deadline_s:g}: {shown}")
+    return reason + (f" ({result.error})" if result.error else "")
