@@ -9,9 +9,15 @@ it finds there.
 """
 
 import contextlib
+import errno
 import os
+import subprocess
+import sys
 import threading
 from typing import Callable, Iterable, Iterator, List, Set, TypeVar
+
+import ma_runtime
+from ma_runtime.errors import TooLargeForExec
 
 LOCK = threading.Lock()
 _OWNED: Set[int] = set()
@@ -51,6 +57,28 @@ def start_helper(start: Callable[[], T]) -> T:
         _OWNED.add(proc.pid)
         _HELPERS.add(proc.pid)
     return proc
+
+
+# Run by `python -I -c`: argv is [-c, <the folder holding ma_runtime>, --channel, <fd>]. That folder goes first
+# unless the isolated path has it already (a wheel's site-packages must not move ahead of the standard library).
+_BOOT = ("import os, sys; home = sys.argv.pop(1); "
+         "sys.path[:0] = [] if os.path.realpath(home) in map(os.path.realpath, sys.path) else [home]; "
+         "from {module} import main; sys.exit(main(sys.argv[1:]))")
+_HOME = os.path.dirname(os.path.dirname(os.path.abspath(ma_runtime.__file__)))
+
+
+def start_module(module: str, channel: int) -> subprocess.Popen:
+    """A helper (`start_helper`) that runs `module.main(["--channel", str(channel)])` on the runtime's own Python,
+    isolated (`-I`: nothing of the job's environment loads into it), in a session of its own, with the one
+    descriptor `channel` (its end of a socket pair). An exec refused for size is TooLargeForExec (the sizes)."""
+    argv = [sys.executable, "-I", "-c", _BOOT.format(module=module), _HOME, "--channel", str(channel)]
+    try:
+        return start_helper(lambda: subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(channel,),
+                                                     close_fds=True, start_new_session=True))
+    except OSError as exc:
+        if exc.errno == errno.E2BIG:  # the caller's warning gives the sizes, not "Argument list too long"
+            raise TooLargeForExec(argv, os.environ) from None
+        raise
 
 
 def end_helper(pid: int) -> None:

@@ -31,16 +31,13 @@ line a write, the runtime's CPU per line is within noise of the in-thread search
 about 1 us a line in its own process, and 30 ms of CPU to start, once an attempt.
 """
 
-import os
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
-import ma_runtime
 from ma_runtime import children, output
 from ma_runtime.output import Sink
 from ma_runtime.supervise import matcher
@@ -58,12 +55,6 @@ CHECK_SECONDS = 1.0
 COALESCE_SECONDS = 0.05
 EXIT_WAIT_SECONDS = 2.0
 _SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
-# Run by `python -I -c`: argv is [-c, <the folder holding ma_runtime>, --channel, <fd>] (as the uploader's,
-# sync/control.py: the folder goes first unless the isolated path has it already).
-_BOOT = ("import os, sys; home = sys.argv.pop(1); "
-         "sys.path[:0] = [] if os.path.realpath(home) in map(os.path.realpath, sys.path) else [home]; "
-         "from ma_runtime.supervise.matcher import main; sys.exit(main(sys.argv[1:]))")
-_HOME = os.path.dirname(os.path.dirname(os.path.abspath(ma_runtime.__file__)))
 _FIX = ("rewrite it so that no line can be matched in many ways: no repetition of a repetition ((x+)+, (\\w+\\s?)+), "
         "no alternatives that match the same text ((a|a)*, (a|aa)+), anchors and literals instead of a leading .*")
 
@@ -189,9 +180,7 @@ class ProgressSink(Sink):
         """A new matcher and its channel, or None (a warning) when it cannot be started."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # neither inheritable (PEP 446)
         try:
-            proc = children.start_helper(lambda: subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, _HOME, "--channel", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True))
+            proc = children.start_module("ma_runtime.supervise.matcher", theirs.fileno())
         except OSError as exc:
             ours.close()
             self._turn_off("its matcher could not be started", error=exc.strerror or str(exc))

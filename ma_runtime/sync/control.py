@@ -19,20 +19,15 @@ are resumed from their records.
 """
 
 import dataclasses
-import errno
 import json
-import os
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import List, Mapping, Optional, Tuple
 
-import ma_runtime
 from ma_runtime import children
-from ma_runtime.errors import TooLargeForExec
 
 DIED_EVENT = "output and log upload process exited; files will no longer be synced"
 RESTARTS = 1
@@ -43,12 +38,6 @@ FINAL_RESTARTS = 3
 ANSWER_GRACE_SECONDS = 2.0
 EXIT_WAIT_SECONDS = 2.0
 _EXITED = "exited before it answered"  # its channel ended before an answer: it died (a fresh one may be started)
-# Run by `python -I -c`: argv is [-c, <the folder holding ma_runtime>, --channel, <fd>]. That folder goes first
-# unless the isolated path has it already (a wheel's site-packages must not move ahead of the standard library).
-_BOOT = ("import os, sys; home = sys.argv.pop(1); "
-         "sys.path[:0] = [] if os.path.realpath(home) in map(os.path.realpath, sys.path) else [home]; "
-         "from ma_runtime.sync.uploader import main; main(sys.argv[1:])")
-_HOME = os.path.dirname(os.path.dirname(os.path.abspath(ma_runtime.__file__)))
 
 
 @dataclasses.dataclass
@@ -88,15 +77,8 @@ class Uploader:
     def _spawn(self) -> None:
         """Under self.lock. A new process, its channel, its watcher; the previous channel, if any, closed."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)  # neither inheritable (PEP 446)
-        argv = [sys.executable, "-I", "-c", _BOOT, _HOME, "--channel", str(theirs.fileno())]
         try:
-            proc = children.start_helper(lambda: subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True))
-        except OSError as exc:
-            ours.close()
-            if exc.errno == errno.E2BIG:  # the warning that follows gives the sizes, not "Argument list too long"
-                raise TooLargeForExec(argv, os.environ) from None
-            raise
+            proc = children.start_module("ma_runtime.sync.uploader", theirs.fileno())
         except BaseException:
             ours.close()
             raise

@@ -78,6 +78,7 @@ def test_mpirun_one_rank_busy_polling_in_a_barrier_one_blocked_is_found_and_the_
     reason = assert_found_naming_rank_1(env, result)
     # Open MPI spins a core in MPI_Barrier: rank 0 is busy without IO, rank 1 idle, and mpirun itself not counted.
     assert "rank 1 idle throughout" in reason and "rank 0 busy without IO" in reason, reason
+    assert named(env, "job suspected hung")[0]["suspects"] == "rank 1"
 
 
 @needs_mindspore

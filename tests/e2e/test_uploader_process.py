@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ma_runtime import children
 from ma_runtime.sync import control
 from tests.e2e.test_sync import (
     Run,
@@ -124,7 +125,7 @@ def test_the_uploader_killed_during_the_final_sync_is_started_again_and_resumes(
 
 
 def test_an_uploader_that_dies_at_every_start_ends_the_final_sync_after_a_few_fresh_ones(monkeypatch):
-    monkeypatch.setattr(control, "_BOOT", "import os; os._exit(3)")  # a crash loop: no answer will ever come
+    monkeypatch.setattr(children, "_BOOT", "import os; os._exit(3)")  # a crash loop: no answer will ever come
     log = Log()
     uploader = control.Uploader({}, None, log)
     started = time.monotonic()
