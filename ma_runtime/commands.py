@@ -1,4 +1,5 @@
-"""The operator commands: `ma-preflight`, `ma-runtime plan`, `ma-runtime ranktable wait|convert`.
+"""The operator commands: `ma-preflight`, `ma-runtime plan`, `ma-runtime ranktable wait|convert`, and
+`ma-run --print-config`.
 
 Each reads the same settings as `run` and prints its answer on stdout; none starts the command."""
 
@@ -10,7 +11,6 @@ from typing import Mapping, Optional, Sequence
 
 from ma_runtime import logs, stagein
 from ma_runtime import spec as spec_module
-from ma_runtime.bootstrap import early_log_format
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut, RuntimeFailure
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch.args import build_argv
@@ -23,7 +23,7 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     from ma_runtime.preflight import runner
 
     masker = Masker.from_environ()
-    logs.configure(early_log_format(), masker=masker)
+    logs.configure(logs.early_format(), masker=masker)
     log = logs.get_logger()
     try:
         spec = spec_module.load({}, os.environ, config_file)
@@ -46,7 +46,7 @@ def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: 
     from ma_runtime import ranktable
 
     masker = Masker.from_environ()
-    logs.configure(early_log_format(), masker=masker)
+    logs.configure(logs.early_format(), masker=masker)
     log = logs.get_logger()
     try:
         spec = spec_module.load(flags, os.environ, config_file)
@@ -117,7 +117,7 @@ def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
 def _tool_setup():
     """Logging and the job settings for an operator's tool; (log, None) after a bad-configuration line."""
     masker = Masker.from_environ()
-    logs.configure(early_log_format(), masker=masker)
+    logs.configure(logs.early_format(), masker=masker)
     log = logs.get_logger()
     try:
         spec = spec_module.load({}, os.environ)
@@ -130,3 +130,29 @@ def _tool_setup():
 def _tool_failure(log, failure: RuntimeFailure) -> int:
     log.error(f"error,exiting: {failure.reason}", hint=failure.hint or None, exit_code=int(failure.exit_code))
     return int(failure.exit_code)
+
+
+def print_config(spec: spec_module.JobSpec, command: Sequence[str], masker: Masker) -> None:
+    """`ma-run --print-config`: the resolved settings with their sources, the channels and the argv, as JSON."""
+    document = {
+        "settings": spec.settings(),
+        "sources": dict(spec.sources),
+        "config_file": str(spec.config_file) if spec.config_file else None,
+        "hyperparameters": dict(spec.hyperparameters),
+        "code": {"url": spec.code_url, "path": str(stagein.code_dir(spec))}
+        if spec.code_url
+        else None,
+        "channels": [
+            {"kind": c.kind, "name": c.name, "url": c.url, "mode": c.mode, "predownload": c.predownload,
+             **({"sync": c.sync, "delete": c.delete} if c.kind == "outputs" else {}),
+             "path": str(c.local_dir(spec.mount_path))}
+            for c in (*spec.inputs, *spec.outputs)
+        ],
+        "task_log": str(spec.task_log_path),
+        "termination_message": str(spec.termination_path),
+        "command": list(command),
+        "argv": build_argv(command, spec.hyperparameters) if command else [],
+        "notes": list(spec.notes),
+    }
+    sys.stdout.write(json.dumps(masker.data(document), indent=2) + "\n")
+    sys.stdout.flush()

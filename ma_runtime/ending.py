@@ -1,14 +1,16 @@
-"""The end of an attempt and of the run: the attempt's verdict and its `command exited` line, the job's verdict as the
-termination message's fields (the last attempt's, or 82 when restarts did not help), and what an incomplete final
-sync makes of them (a success becomes 80). Pure but for the log lines; the run (bootstrap) writes the message and
-runs the sync.
+"""The end of an attempt and of the run: the attempt's verdict and its `command exited` line; the job's verdict as the
+termination message's fields (the last attempt's, or 82 when restarts did not help), or a failure of the runtime's
+own; the termination message; the final sync, and what an incomplete one makes of the verdict (a success becomes
+80). The run's state (spec, uploader, task log, the Kubernetes message taken before the command) is the
+`RunContext`'s; the functions that take one write files and run the sync, the others are pure but for log lines.
 """
 
-from typing import Any, Dict, List
+import time
+from typing import Any, Dict, List, Optional
 
-from ma_runtime import logs
+from ma_runtime import logs, termination
 from ma_runtime import verdict as verdict_module
-from ma_runtime.errors import Category, ExitCode
+from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
 from ma_runtime.supervise.supervisor import Outcome
@@ -104,3 +106,91 @@ def unsynced_reason(unsynced: List[str], result, deadline_s: float) -> str:
         reason = (f"{what} not synced: {len(unsynced)} file(s) did not reach the store within "
                   f"MA_RUNTIME_FINAL_SYNC_SECONDS={deadline_s:g}: {shown}")
     return reason + (f" ({result.error})" if result.error else "")
+
+
+def fail(context, failure: RuntimeFailure) -> int:
+    """The run ends on a failure of its own (bad input, a stage that failed, a stop before the command ran): one
+    line, the termination message, the final sync of what there is. Returns the exit code."""
+    logs.get_logger().error(
+        f"error,exiting: {failure.reason}",
+        hint=failure.hint or None,
+        stage=failure.stage,
+        exit_code=int(failure.exit_code),
+    )
+    fields = dict(
+        stage=failure.stage,
+        category=failure.category.value,
+        exit_code=int(failure.exit_code),
+        reason=failure.reason,
+        hint=failure.hint,
+        attempt=context.attempt.number if context.attempt else None,
+        tail=getattr(failure, "tail", None),  # a hook's last lines
+        hook_exit_code=getattr(failure, "hook_exit_code", None),
+    )
+    write_termination(context, **fields)
+    if isinstance(failure, ConfigError) and context.uploader is None:
+        return int(failure.exit_code)  # a bad job file or setting: nothing ran, and the sync's settings may be bad
+    return sync_at_end(context, fields, None)
+
+
+def finish(context, verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict], attempt,
+           outcome: Outcome) -> int:
+    """The job's exit code and termination message, from the last attempt's verdict and the decision; then the
+    final sync, which can turn a success into 80."""
+    fields = job_fields(verdict, decision, history, attempt)
+    if fields["exit_code"] != 0:
+        write_termination(context, **fields)
+    return sync_at_end(context, fields, outcome.stop_requested_at, outcome.workers_stopped_at)
+
+
+def sync_at_end(context, fields: Dict[str, Any], stop_requested_at: Optional[float],
+                workers_stopped_at: Optional[float] = None) -> int:
+    """The final sync (its deadline counted from the stop request, when there was one), after the termination
+    message was written (so that it goes up first). What did not make it turns a success into 80, and is
+    listed in the message either way. `workers_stopped_at` (time.time()): the workers were stopped then, so
+    what they were writing must not replace what the store has. Returns the exit code."""
+    spec = context.spec
+    if spec is None or context.synced:
+        return fields["exit_code"]
+    context.synced = True
+    if context.uploader is None and not spec.syncs:
+        return fields["exit_code"]
+    from ma_runtime.sync import control, targets
+
+    try:
+        targets.of(spec)
+    except ConfigError:
+        return fields["exit_code"]  # the failure being reported is that one
+    log = logs.get_logger()
+    deadline = (stop_requested_at or time.monotonic()) + spec.sync_final_seconds
+    if context.uploader is None:
+        context.uploader = control.Uploader(*context.sources, log)
+    result = context.uploader.final(deadline, stopped_at=workers_stopped_at)
+    if result.complete:
+        log.info("final sync completed", elapsed_s=result.seconds, files=result.files, bytes=result.bytes)
+        _sync_logs_again(context, deadline)
+        return fields["exit_code"]
+    unsynced = result.missing or [f"(unknown: {result.error})"]
+    fields = after_incomplete_sync(fields, unsynced, result, spec.sync_final_seconds, log)
+    write_termination(context, **fields, unsynced=unsynced)
+    _sync_logs_again(context, deadline)
+    return fields["exit_code"]
+
+
+def _sync_logs_again(context, deadline: float) -> None:
+    """The log lines since, and the termination message as it now is, if time is left."""
+    if time.monotonic() < deadline and context.spec.log_url:
+        context.uploader.final(deadline, scope="logs")
+
+
+def write_termination(context, **fields) -> None:
+    # Without a usable log directory (bad configuration), only Kubernetes' copy.
+    log_copy = context.spec.termination_path if context.spec and context.task_log else None
+    message = termination.build(masker=context.masker, run_id=context.run_id, **fields)
+    try:
+        kept = not termination.write(message, log_copy, context.k8s_path, context.k8s_before)
+    except OSError as exc:
+        logs.get_logger().warning("could not write the termination message", error=str(exc))
+        return
+    if kept:
+        logs.get_logger().info("kept the termination message the command wrote", path=str(context.k8s_path))
