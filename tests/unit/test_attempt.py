@@ -177,3 +177,14 @@ def test_hang_restarts_off_end_the_job_at_the_first_hang_and_a_stop_request_wins
     assert not off.decide(Attempt(1, "r", 1), history[-1], history, False).restart
     decision = HANGS.decide(Attempt(1, "r", 1), history[-1], history, stop_requested=True)
     assert not decision.restart and decision.why == "a stop was requested"
+
+
+@pytest.mark.parametrize("decision", [attempt_module.Decision(True, delay=2.0, left=1),
+                                      attempt_module.Decision(False, "gave up after 3 attempts", gave_up=True),
+                                      attempt_module.Decision(False)])
+def test_a_node_alone_takes_its_own_decision_as_the_jobs(decision):
+    """The seam for a job-wide decision (coordinator.py): a node that coordinates with no other keeps its own."""
+    from ma_runtime import coordinator
+
+    job = coordinator.for_job(None)
+    assert job.agree(Attempt(2, "run", 1), None, decision) is decision
