@@ -470,8 +470,7 @@ def _preflight(spec: spec_module.JobSpec, log) -> None:
 
 def early_log_format() -> str:
     # Before the spec is valid, a bad MA_RUNTIME_LOG_FORMAT must not hide the error.
-    fmt = (os.environ.get("MA_RUNTIME_LOG_FORMAT") or "logfmt").strip().lower()
-    return fmt if fmt in spec_module.LOG_FORMATS else "logfmt"
+    return spec_module.early_log_format(os.environ)
 
 
 def _print_config(spec: spec_module.JobSpec, command: Sequence[str], masker: Masker) -> None:
