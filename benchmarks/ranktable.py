@@ -8,8 +8,8 @@ group_count/instance_count/device_count that agree. Then it times, each in a
 fresh interpreter (this script with --child) so that peak memory is that
 process's own, round-robin (benchmarks/_harness.py), --rounds times after --warmup untimed rounds:
 
-  ma_runtime  ranktable.read_table (bounded read), ranktable.read_any (parse,
-              validate, convert), .template_one(), ranktable.write_atomically()
+  ma_runtime  ranktable.wait.read_table (bounded read), ranktable.convert.read_any (parse,
+              validate, convert), .template_one(), ranktable.convert.write_atomically()
               -- the path `ma-runtime run` takes (ranktable.prepare)
   json floor  read the file text, json.loads, a template-one document built by
               a plain comprehension (no validation, no pod-name order), and
@@ -141,11 +141,11 @@ def floor_template_one(document: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def write_plain(path: Path, document: Dict[str, Any]) -> None:
-    """The same file writing as ranktable.write_atomically (temporary file, then rename)."""
+    """The same file writing as table_convert.write_atomically (temporary file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(document, handle)  # the C encoder, as ranktable.layout uses
+        json.dump(document, handle)  # the C encoder, as table_convert.layout uses
         handle.write("\n")
     os.replace(tmp, path)
 
@@ -166,7 +166,8 @@ def child(mode: str, source: str, out: str, trace: bool) -> int:
     import gc
     import tracemalloc
 
-    from ma_runtime import ranktable
+    from ma_runtime.ranktable import convert as table_convert
+    from ma_runtime.ranktable import wait as table_wait
 
     source_path, out_path = Path(source), Path(out)
     gc.collect()
@@ -174,9 +175,9 @@ def child(mode: str, source: str, out: str, trace: bool) -> int:
         tracemalloc.start()
     started = time.perf_counter()
     # ma_runtime reads with its own bounded reader, as ranktable.prepare reads the platform's file.
-    text = ranktable.read_table(source_path) if mode == "ma_runtime" else source_path.read_text(encoding="utf-8")
+    text = table_wait.read_table(source_path) if mode == "ma_runtime" else source_path.read_text(encoding="utf-8")
     if mode == "ma_runtime":
-        ranktable.write_atomically(out_path, ranktable.read_any(text, source).template_one())
+        table_convert.write_atomically(out_path, table_convert.read_any(text, source).template_one())
     elif mode == "json":
         write_plain(out_path, floor_template_one(json.loads(text)))
     elapsed = time.perf_counter() - started

@@ -1,8 +1,9 @@
 """The attempt: which start of the command this is, how it is remembered, and whether there is a next.
 
 `Attempt` is the one value that names a start of the command (number and run id): the plan, the
-environment (`MA_PROC_START_CNT`), the log lines and the record all read it; nothing else reads
-`MA_PROC_START_CNT` to find out.
+environment, the log lines and the record all read it; nothing else reads `MA_PROC_START_CNT` to find out.
+One function writes its number into an environment, launch/base.common_env: every launcher's plan gives it to
+the workers, and supervise/attempt_processes.worker_env to the hooks and services.
 
 The number survives the runtime. Before each launch it is written atomically to
 `<state>/attempt-<task>-<index>.json` with the pod it belongs to (`MA_VJ_NAME`, `VC_TASK_INDEX`,

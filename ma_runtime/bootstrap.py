@@ -36,7 +36,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         signals: Optional[SignalQueue] = None) -> int:
     signals = signals or SignalQueue()  # the CLI installs it first thing; a caller in Python may not have
     masker = Masker.from_environ()
-    logs.configure(logs.early_format(), masker=masker)
+    logs.configure(spec_module.early_log_format(os.environ), masker=masker)
     log = logs.get_logger()
     context = RunContext(masker, signals)
     context.sources = (dict(flags), config_file)

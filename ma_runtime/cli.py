@@ -46,7 +46,9 @@ from typing import List, NoReturn, Optional, Sequence, Tuple  # noqa: E402
 
 from ma_runtime import __version__  # noqa: E402
 from ma_runtime.errors import ExitCode  # noqa: E402
-from ma_runtime.spec import CONFIG_ENV, SETTINGS, BadValue, parse_check_names, parse_seconds, shown  # noqa: E402
+from ma_runtime.setting import BadValue, shown  # noqa: E402
+from ma_runtime.spec.jobfile import CONFIG_ENV  # noqa: E402
+from ma_runtime.spec.table import SETTINGS, parse_check_names, parse_seconds  # noqa: E402
 
 _EXIT_CODES = "\n".join(
     f"  {int(code):>3}  {code.name.lower().replace('_', ' ')}" for code in ExitCode if code != ExitCode.OK

@@ -23,7 +23,7 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     from ma_runtime.preflight import runner
 
     masker = Masker.from_environ()
-    logs.configure(logs.early_format(), masker=masker)
+    logs.configure(spec_module.early_log_format(os.environ), masker=masker)
     log = logs.get_logger()
     try:
         spec = spec_module.load({}, os.environ, config_file)
@@ -46,7 +46,7 @@ def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: 
     from ma_runtime import ranktable
 
     masker = Masker.from_environ()
-    logs.configure(logs.early_format(), masker=masker)
+    logs.configure(spec_module.early_log_format(os.environ), masker=masker)
     log = logs.get_logger()
     try:
         spec = spec_module.load(flags, os.environ, config_file)
@@ -77,7 +77,8 @@ def _resolve_once(host: str) -> str:
 
 def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int:
     """`ma-runtime ranktable wait`: the table's path on stdout once it says completed."""
-    from ma_runtime import ranktable
+    from ma_runtime.ranktable import convert as table_convert
+    from ma_runtime.ranktable import wait as table_wait
 
     log, spec = _tool_setup()
     if spec is None:
@@ -86,10 +87,10 @@ def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int
     if not configured:
         return _tool_failure(log, ConfigError("no rank table to wait for",
                                               hint="give PATH, or set RANK_TABLE_FILE"))
-    source = ranktable.locate(configured)
+    source = table_wait.locate(configured)
     try:
-        text = ranktable.wait(source, spec.ranktable_timeout if timeout is None else timeout, log)
-        ranktable.read_any(text, str(source))  # completed, and usable
+        text = table_wait.wait(source, spec.ranktable_timeout if timeout is None else timeout, log)
+        table_convert.read_any(text, str(source))  # completed, and usable
     except RuntimeFailure as failure:
         return _tool_failure(log, failure)
     sys.stdout.write(f"{source}\n")
@@ -97,19 +98,20 @@ def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int
 
 def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
     """`ma-runtime ranktable convert IN [OUT]`: template one to OUT (atomically) or stdout."""
-    from ma_runtime import ranktable
+    from ma_runtime.ranktable import convert as table_convert
+    from ma_runtime.ranktable import wait as table_wait
 
     log, spec = _tool_setup()
     if spec is None:
         return ExitCode.BAD_CONFIGURATION
-    source = ranktable.locate(source_text)
+    source = table_wait.locate(source_text)
     try:
         # read_table: bounded, a FIFO or device refused; write_atomically: never over what is not a file.
-        document = ranktable.read_any(ranktable.read_table(source), str(source)).template_one()
+        document = table_convert.read_any(table_wait.read_table(source), str(source)).template_one()
         if output:
-            ranktable.write_atomically(Path(output), document)
+            table_convert.write_atomically(Path(output), document)
         else:
-            sys.stdout.write(ranktable.layout(document))
+            sys.stdout.write(table_convert.layout(document))
     except RuntimeFailure as failure:
         return _tool_failure(log, failure)
     return ExitCode.OK
@@ -117,7 +119,7 @@ def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
 def _tool_setup():
     """Logging and the job settings for an operator's tool; (log, None) after a bad-configuration line."""
     masker = Masker.from_environ()
-    logs.configure(logs.early_format(), masker=masker)
+    logs.configure(spec_module.early_log_format(os.environ), masker=masker)
     log = logs.get_logger()
     try:
         spec = spec_module.load({}, os.environ)

@@ -181,7 +181,7 @@ def _pip_install(run: _Run) -> None:
         run.log.info("pip requirements already installed in this pod; not installed again", file=str(found))
         return
     argv = [python, "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "-r", str(found),
-            *_index_options(run.environ)]
+            *_index_options(run.spec, run.environ)]
     run.log.info("installing pip requirements", file=str(found), python=python)
     started = time.monotonic()
     result = _supervised(run, argv, run.environ, "pip install", "pip")
@@ -193,20 +193,21 @@ def _pip_install(run: _Run) -> None:
     record.write(key, run.log, "pip install")
 
 
-def _index_options(environ: Mapping[str, str]) -> List[str]:
+def _index_options(spec: JobSpec, environ: Mapping[str, str]) -> List[str]:
     """The platform's pip source (MA_PIP_URL, and MA_PIP_HOST as trusted: it is often plain HTTP), unless the job
-    chose its own index (PIP_INDEX_URL), which wins."""
-    url = environ.get("MA_PIP_URL", "").strip()
+    chose its own index (PIP_INDEX_URL), which wins. PIP_INDEX_URL is read from the environment: it is pip's own
+    variable, which pip reads from the same environment, not a setting of ours."""
+    url = spec.hooks_pip_url.strip()
     if not url or environ.get("PIP_INDEX_URL"):
         return []
-    host = environ.get("MA_PIP_HOST", "").strip()
+    host = spec.hooks_pip_host.strip()
     return ["--index-url", url, *(["--trusted-host", host] if host else [])]
 
 
 def _pip_hint(run: _Run) -> str:
     hint = "the lines above are pip's; fix the requirements file, or set MA_RUNTIME_PIP_INSTALL=off and install " \
            "the packages in the image"
-    if run.spec.num_hosts > 10 and not run.environ.get("MA_PIP_URL"):
+    if run.spec.num_hosts > 10 and not run.spec.hooks_pip_url:
         hint += " (the platform removes its pip source from jobs of more than 10 nodes)"
     return hint
 
@@ -214,6 +215,7 @@ def _pip_hint(run: _Run) -> str:
 def job_python(environ: Mapping[str, str], command: Sequence[str]) -> Optional[str]:
     """The job's interpreter, not the runtime's: the platform's conda environment (ANACONDA_DIR and
     DEFAULT_CONDA_ENV_NAME), else the command's own python (`python3.9 train.py`), else python3, python on PATH."""
+    # The image's interpreter layout, found like PATH is (the environment the command runs in), not a job setting.
     conda, name = environ.get("ANACONDA_DIR"), environ.get("DEFAULT_CONDA_ENV_NAME")
     if conda and name:
         candidate = Path(conda) / "envs" / name / "bin" / "python"

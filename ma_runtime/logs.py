@@ -9,7 +9,6 @@ so a runtime line is never spliced into a worker line.
 
 import importlib
 import json
-import os
 import shlex
 import sys
 import types
@@ -128,15 +127,6 @@ def _now() -> str:
     import datetime
 
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def early_format(environ=None) -> str:
-    """The log format before the settings are read and checked: a bad MA_RUNTIME_LOG_FORMAT must not hide the
-    error that reports it (read raw for that reason; spec.load checks it)."""
-    from ma_runtime.spec import LOG_FORMATS
-
-    fmt = ((environ if environ is not None else os.environ).get("MA_RUNTIME_LOG_FORMAT") or "logfmt").strip().lower()
-    return fmt if fmt in LOG_FORMATS else "logfmt"
 
 
 def configure(log_format: str = "logfmt", level: str = "info", masker: Optional[Masker] = None) -> None:

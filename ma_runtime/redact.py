@@ -29,6 +29,8 @@ import re
 from typing import Any, Iterable, List, Mapping, Optional
 from urllib.parse import quote, quote_plus
 
+from ma_runtime.credentials import CREDENTIAL_VARIABLES
+
 MASK = "******"
 
 _SECRET_NAME = re.compile(
@@ -57,7 +59,7 @@ _SK_SHAPE = re.compile(r"\b[A-Za-z0-9]{40}\b")
 # A secret shorter than this is too likely to be a common word to mask by value.
 _MIN_VALUE_LEN = 6
 # Names the runtime's own messages use: never masked as if they were values.
-KNOWN_NAMES = frozenset(("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY", "OBS_SECURITY_TOKEN"))
+KNOWN_NAMES = frozenset(CREDENTIAL_VARIABLES)
 
 
 def is_secret_name(name: str) -> bool:

@@ -28,7 +28,8 @@ PATH_ENV = "MA_RUNTIME_TERMINATION_LOG"
 
 
 def kubernetes_path(environ) -> Path:
-    # Pods may move it with terminationMessagePath; the variable follows them.
+    # Pods may move it with terminationMessagePath; the variable follows them. Read raw, not as a setting: the
+    # message must be written even when the settings fail to load (that failure is what it reports).
     return Path(environ.get(PATH_ENV) or DEFAULT_PATH)
 
 

@@ -15,6 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from ma_runtime import termination
+from ma_runtime.ranktable.node import POD_IP_VARIABLE, POD_NAME_VARIABLES
+from ma_runtime.spec.jobfile import CONFIG_ENV
+from ma_runtime.spec.table import VARIABLES
+from ma_runtime.supervise.guard import LINEAGE_ENV
+
 pytest_plugins = ["tests.storage_env"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,15 +29,10 @@ MA_RUN = str(BIN / "ma-run")
 MA_RUNTIME = str(BIN / "ma-runtime")
 ACTOR = str(ROOT / "tests" / "e2e" / "actor.py")
 
-# Variables of the machine running the tests that would leak into a job's view.
-_JOB_VARIABLES = (
-    "MA_HOME", "MA_MOUNT_PATH", "MA_JOB_DIR", "MA_LOG_DIR", "MA_VJ_NAME", "MA_TASK_NAME", "VC_TASK_INDEX",
-    "MA_NUM_HOSTS", "MA_NUM_GPUS", "MA_PROC_START_CNT", "MA_SCHEDULE_CNT", "MA_RUNTIME_CONFIG",
-    "MA_RUNTIME_STOP_GRACE_SECONDS", "MA_RUNTIME_LOG_FORMAT", "MA_RUNTIME_LOG_LEVEL", "MA_RUNTIME_TERMINATION_LOG",
-    "MA_RUNTIME_LINEAGE", "MA_SKIP_IMAGE_DETECT", "MA_RUN_METHOD", "VC_WORKER_HOSTS", "RANK_TABLE_FILE",
-    "MA_EXTRA_TORCHRUN_PARAMS", "MA_TORCHRUN_MASTER_PORT", "MS_RANKTABLE_ENABLE", "MSRUN_CLUSTER_TIME_OUT",
-    "MA_RUNTIME_RANKTABLE", "MA_RUNTIME_RANKTABLE_TIMEOUT", "MA_CURRENT_INSTANCE_NAME", "MA_CURRENT_IP",
-)
+# Variables of the machine running the tests that would leak into a job's view: every setting's (the table's),
+# and the few the runtime reads that are not settings.
+_JOB_VARIABLES = (*VARIABLES, CONFIG_ENV, termination.PATH_ENV, LINEAGE_ENV,
+                  *POD_NAME_VARIABLES[:1], POD_IP_VARIABLE)  # not HOSTNAME: the machine's own
 
 
 @pytest.fixture

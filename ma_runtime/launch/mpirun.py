@@ -42,8 +42,26 @@ from ma_runtime.launch.base import (
 )
 from ma_runtime.launch.torchrun import forwards_to  # noqa: F401 - the same rule: see the module docstring
 from ma_runtime.redact import is_secret_name
+from ma_runtime.setting import INTERFACES, Setting, env_names, integer, matching, port, text
 
 NAME = "mpirun"
+# This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
+SETTINGS = (
+    Setting("sshd_port", "MY_SSHD_PORT", port, "the port of the sshd every node of a multi-node mpirun job "
+            "starts (the platform's run_mpi.sh default)", 36666, cli=False, owner=__name__),
+    Setting("mpi_key_port", "MA_RUNTIME_MPI_KEY_PORT", port, "the port on which worker-0 of a multi-node "
+            "mpirun job serves the job's public key when no SSH trust files are mounted (default: MY_SSHD_PORT + 1)",
+            None, cli=False, owner=__name__),
+    Setting("mpi_slots", "MY_MPI_SLOTS", integer(1, 1024), "mpirun's processes per node (default: "
+            "MA_RUNTIME_NPROC_PER_NODE, else MA_NUM_GPUS, at least 1)", None, cli=False, owner=__name__),
+    Setting("mpi_btl_tcp_if", "MY_MPI_BTL_TCP_IF", matching(INTERFACES, "list of network interfaces"),
+            "the interfaces NCCL uses under mpirun (NCCL_SOCKET_IFNAME, unless the job sets that)", "eth0,bond0",
+            cli=False, owner=__name__),
+    Setting("extra_mpirun_params", "MA_RUNTIME_EXTRA_MPIRUN_PARAMS", text, "extra mpirun arguments, after the "
+            "runtime's and before the command", "", cli=False, owner=__name__),
+    Setting("mpi_export", "MA_RUNTIME_MPI_EXPORT", env_names, "more variables mpirun passes to every rank "
+            "by name (-x NAME); the only way to pass one named like a secret", (), cli=False, owner=__name__),
+)
 # Its processes per node: MY_MPI_SLOTS, else MA_RUNTIME_NPROC_PER_NODE, else MA_NUM_GPUS (at least 1).
 TAKES_NPROC_PER_NODE = True
 # After a stop mpirun exits 1, whatever its ranks' handlers did.

@@ -33,8 +33,18 @@ from ma_runtime.launch.base import (
     per_node,
     python_folder,
 )
+from ma_runtime.setting import WEEK_SECONDS, Setting, integer, port, switch
 
 NAME = "msrun"
+# This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
+SETTINGS = (
+    Setting("ms_ranktable_enable", "MS_RANKTABLE_ENABLE", switch, "give msrun --rank_table_file", False, cli=False,
+            owner=__name__),
+    Setting("msrun_cluster_time_out", "MSRUN_CLUSTER_TIME_OUT", integer(1, WEEK_SECONDS), "msrun's "
+            "--cluster_time_out, seconds", 600, cli=False, owner=__name__),
+    Setting("msrun_master_port", "MA_RUNTIME_MSRUN_MASTER_PORT", port, "msrun's --master_port (its own "
+            "default)", 8118, cli=False, owner=__name__),
+)
 TAKES_NPROC_PER_NODE = True
 # After a stop: msrun's SIGINT handler kills the ranks and exits 0; a SIGTERM kills msrun itself.
 OWN_CODE_AFTER_STOP = False

@@ -31,8 +31,14 @@ from ma_runtime.launch.base import (
     no_rank_logs,
     no_root_cause,
 )
+from ma_runtime.setting import Setting, port
 
 NAME = "pytorch-gpu"
+# This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
+SETTINGS = (
+    Setting("init_method_port", "MA_RUNTIME_INIT_METHOD_PORT", port, "the port of pytorch-gpu's --init_method "
+            "(PyTorch's usual MASTER_PORT)", 29500, cli=False, owner=__name__),
+)
 TAKES_NPROC_PER_NODE = False  # the boot file's own mp.spawn decides; a setting that asks for more is an error
 OWN_CODE_AFTER_STOP = True  # after a stop: the command's own
 LOCAL_HOST = "127.0.0.1"

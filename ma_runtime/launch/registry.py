@@ -17,3 +17,10 @@ def launcher(name: str) -> ModuleType:
         raise ValueError(f"no launcher {name!r}: the launchers are {', '.join(METHODS)}")
     # A module name has no hyphen: pytorch-gpu lives in pytorch_gpu.py.
     return importlib.import_module(f"{__package__}.{name.replace('-', '_')}")
+
+
+def settings() -> tuple:
+    """Every launcher's own settings (its module's `SETTINGS` rows), in METHODS order: spec's table collects them,
+    so a launcher's knobs are declared beside the code that reads them. Imports every launcher module (standard
+    library only, a few milliseconds)."""
+    return tuple(setting for name in METHODS for setting in getattr(launcher(name), "SETTINGS", ()))

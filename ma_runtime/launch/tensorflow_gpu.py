@@ -78,6 +78,8 @@ def _multi_node(spec, environ: Mapping[str, str], argv: List[str]) -> List[str]:
 def cluster_hosts(environ: Mapping[str, str], name: str) -> List[Tuple[str, int]]:
     """TF_PS_HOSTS or TF_WORKER_HOSTS as (host, port) pairs, in order; a trailing comma is tolerated, a hole is
     not (it would shift every task index after it)."""
+    # The platform's cluster spec, read when a TensorFlow job is planned rather than as a setting: a value only a
+    # TensorFlow job uses must not fail every other job at load.
     text = environ.get(name, "").strip()
     inner = text[1:-1] if text.startswith("[") and text.endswith("]") else text
     entries = [entry.strip() for entry in inner.split(",")]

@@ -49,8 +49,16 @@ from ma_runtime.launch.base import (
     per_node,
     split_extra,
 )
+from ma_runtime.setting import Setting, port, text
 
 NAME = "torchrun"
+# This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
+SETTINGS = (
+    Setting("torchrun_master_port", "MA_TORCHRUN_MASTER_PORT", port, "torchrun's --master_port on "
+            "multi-node jobs", 18888, cli=False, owner=__name__),
+    Setting("extra_torchrun_params", "MA_EXTRA_TORCHRUN_PARAMS", text, "extra torchrun flags; one it names "
+            "replaces the preset one", "", cli=False, owner=__name__),
+)
 TAKES_NPROC_PER_NODE = True
 # After a stop: torchrun's agent raises SignalException and exits 1, whatever its ranks did.
 OWN_CODE_AFTER_STOP = False

@@ -50,7 +50,7 @@ def run(spec: JobSpec, environ: Mapping[str, str], progress: Optional[Progress] 
     volcano_dir = Path(spec.preflight_volcano_dir)
     try:
         # The resolved VC_WORKER_HOSTS: a job file's `worker_hosts` counts as the variable does.
-        names = host_names(volcano_dir, {"VC_WORKER_HOSTS": spec.worker_hosts or ""})
+        names = host_names(volcano_dir, spec.worker_hosts or "")
     except OSError as exc:
         return [_unreadable(exc)]
     if not names:
@@ -86,15 +86,16 @@ def _quoted(names: List[str]) -> str:
 # --- which names ----------------------------------------------------------------------------------
 
 
-def host_names(volcano_dir: Path, environ: Mapping[str, str]) -> List[str]:
-    """Names from `<volcano_dir>/*.host` (in file-name order), then VC_WORKER_HOSTS; no duplicates.
+def host_names(volcano_dir: Path, worker_hosts: str) -> List[str]:
+    """Names from `<volcano_dir>/*.host` (in file-name order), then `worker_hosts` (the setting VC_WORKER_HOSTS,
+    comma-separated); no duplicates.
 
     Raises OSError for a directory or `.host` file that exists but cannot be read.
     """
     names: List[str] = []
     for path in host_files(volcano_dir):
         names.extend(names_in_text(path.read_text(encoding="utf-8", errors="replace")))
-    names.extend(part.strip() for part in environ.get("VC_WORKER_HOSTS", "").split(","))
+    names.extend(part.strip() for part in worker_hosts.split(","))
     # dict keeps the first-seen order
     return list(dict.fromkeys(name for name in names if name))
 

@@ -94,6 +94,7 @@ from xml.etree import ElementTree
 from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
 from obs.const import MIME_TYPES
 
+from ma_runtime.credentials import ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE, TOKEN_VARIABLE
 from ma_runtime.errors import ConfigError
 from ma_runtime.redact import Masker
 from ma_runtime.storage import signed
@@ -118,9 +119,6 @@ try:  # requests (an SDK dependency) brings urllib3, whose errors are not all OS
 except ImportError:  # pragma: no cover - urllib3 comes with the SDK
     Urllib3Error = OSError
 
-ACCESS_KEY_VARIABLE = "OBS_ACCESS_KEY_ID"
-SECRET_KEY_VARIABLE = "OBS_SECRET_ACCESS_KEY"
-TOKEN_VARIABLE = "OBS_SECURITY_TOKEN"
 CREDENTIAL_SOURCE = f"{ACCESS_KEY_VARIABLE}/{SECRET_KEY_VARIABLE}"
 
 CHUNK = 1 << 20  # bytes read from a body and written to the file at a time

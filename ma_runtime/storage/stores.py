@@ -7,9 +7,6 @@ from ma_runtime.storage.base import ObjectStore
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.url import Location
 
-# The SDK's own names (esdk-obs-python's ENV provider); never logged.
-CREDENTIAL_VARIABLES = ("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY", "OBS_SECURITY_TOKEN")
-
 
 def open_store(location: Location, spec, environ: Mapping[str, str] = os.environ) -> ObjectStore:
     if not location.remote:

@@ -15,17 +15,13 @@ from ma_runtime import spec as spec_module
 from ma_runtime.errors import ConfigError
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
+from ma_runtime.launch.base import common_env
 from ma_runtime.output import Sink
+from ma_runtime.spec.table import EXPORTED
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import is_pid1
 from ma_runtime.supervise.supervisor import Outcome, Supervisor
 from ma_runtime.supervise.worker import Worker, spawn
-
-# The resolved settings that have a platform name are exported to the command
-# under that name, so it sees the same job the runtime saw (MA_PROC_START_CNT: the attempt's number);
-# and the progress file, so that the training knows what to touch however the setting was given.
-_EXPORTED = ("ma_home", "mount_path", "job_dir", "log_dir", "task_name", "task_index", "num_hosts", "num_gpus",
-             "schedule_cnt", "vj_name", "hang_progress_file")
 
 
 class _Watch:
@@ -179,13 +175,15 @@ def _proc_log(planned, attempt) -> Optional[Sink]:
 
 
 def worker_env(spec: spec_module.JobSpec, run_id: str, attempt: int, environ: Mapping[str, str]) -> Dict[str, str]:
-    """What every process of attempt `attempt` gets (the hooks see it too): `environ`, the settings under their
-    platform names, the attempt's number and the runtime's lineage."""
+    """What every process of attempt `attempt` gets (the hooks see it too): `environ`, the exported settings
+    resolved under their variables' names (the table's `exported` rows: the command sees the job the runtime saw),
+    the attempt's own variables as every launcher's plan gives them (MA_PROC_START_CNT: launch/base.common_env)
+    and the runtime's lineage."""
     env = dict(environ)
-    env["MA_PROC_START_CNT"] = str(attempt)
-    for name in _EXPORTED:
-        value = getattr(spec, name)
+    for setting in EXPORTED:
+        value = getattr(spec, setting.name)
         if value is not None:
-            env[spec_module.SETTINGS_BY_NAME[name].env] = str(value)
+            env[setting.env] = str(value)
+    env.update(common_env(spec, attempt))
     env[guard_module.LINEAGE_ENV] = guard_module.lineage(os.environ, run_id)
     return env

@@ -82,9 +82,8 @@ def _serve(config: dict, lines) -> None:
     from ma_runtime.redact import Masker
 
     # Before the spec: a failure to load it is a line on stderr (structlog's default would print it to stdout).
-    early = (os.environ.get("MA_RUNTIME_LOG_FORMAT") or "logfmt").strip().lower()
     masker = Masker.from_environ()
-    logs.configure(early if early in spec_module.LOG_FORMATS else "logfmt", masker=masker)
+    logs.configure(spec_module.early_log_format(os.environ), masker=masker)
     spec = spec_module.load(config.get("flags") or {}, os.environ, config.get("config_file"))
     logs.configure(spec.log_format, spec.log_level, masker)
     log = logs.get_logger()

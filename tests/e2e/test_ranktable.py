@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from ma_runtime import ranktable
-from ma_runtime.ranktable import RankTableTimeout
+from ma_runtime.ranktable import wait as table_wait
+from ma_runtime.ranktable.model import RankTableTimeout
 from tests.conftest import MA_RUNTIME, ROOT, log_dir, run_ma
 
 DATA = ROOT / "tests" / "data" / "ranktable"
@@ -66,7 +66,7 @@ def events(proc, timeout=30):
 def until_initializing(path, timeout=30):
     """Returns once the writer has written its initializing table (it may start slowly on a busy machine)."""
     deadline = time.monotonic() + timeout
-    while ranktable.look(path).state != "status='initializing'":
+    while table_wait.look(path).state != "status='initializing'":
         assert time.monotonic() < deadline, f"the writer did not write {path}"
         time.sleep(0.02)
 
@@ -102,7 +102,7 @@ def test_the_writer_shows_missing_empty_half_written_initializing_then_completed
     states = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (not states or states[-1] != "completed"):
-        state = ranktable.look(path).state
+        state = table_wait.look(path).state
         if not states or states[-1] != state:
             states.append(state)
         time.sleep(0.01)
@@ -122,7 +122,7 @@ def test_wait_returns_soon_after_the_writer_completes(tmp_path, writers):
     table = DATA / "two_servers_8.template2.json"
     proc = writers(path, "--table", table, "--delay-create", 1, "--pieces", 3, "--initializing", 1)
     log = Log()
-    text = ranktable.wait(path, 60, log, progress=0.2)
+    text = table_wait.wait(path, 60, log, progress=0.2)
     returned = time.time()
     stamps = events(proc)
     assert text == table.read_text()
@@ -137,7 +137,7 @@ def test_wait_for_a_table_that_never_completes_says_initializing(tmp_path, write
     until_initializing(path)
     started = time.monotonic()
     with pytest.raises(RankTableTimeout) as raised:
-        ranktable.wait(path, 2, Log())
+        table_wait.wait(path, 2, Log())
     assert 2 <= time.monotonic() - started < 2 + SOON
     assert str(raised.value).endswith("not completed after 2 s; last seen: status='initializing'")
 

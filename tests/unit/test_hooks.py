@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import hooks
+from ma_runtime import hooks, spec
 from ma_runtime.hooks import Env, boot_file, diff, job_python, parse_env_file
 
 
@@ -74,11 +74,25 @@ def test_the_jobs_python(tmp_path):
     assert job_python({"PATH": str(tmp_path / "none")}, ["bash"]) is None
 
 
-def test_the_index_is_the_platforms_unless_the_job_chose_one():
-    assert hooks._index_options({"MA_PIP_URL": "http://repo/simple/", "MA_PIP_HOST": "repo"}) == [
+def _index_options(environ, tmp_path, config_file=None):
+    return hooks._index_options(spec.load({}, {"MA_HOME": str(tmp_path), **environ}, config_file), environ)
+
+
+def test_the_index_is_the_platforms_unless_the_job_chose_one(tmp_path):
+    assert _index_options({"MA_PIP_URL": "http://repo/simple/", "MA_PIP_HOST": "repo"}, tmp_path) == [
         "--index-url", "http://repo/simple/", "--trusted-host", "repo"]
-    assert hooks._index_options({"MA_PIP_URL": "http://repo/simple/", "PIP_INDEX_URL": "https://mine/"}) == []
-    assert hooks._index_options({}) == []
+    assert _index_options({"MA_PIP_URL": "http://repo/simple/", "PIP_INDEX_URL": "https://mine/"}, tmp_path) == []
+    assert _index_options({}, tmp_path) == []
+
+
+def test_the_platforms_index_is_a_setting_a_job_file_may_give(tmp_path):
+    # MA_PIP_URL was read raw from the environment: a job file's hooks.pip_url was an unknown key.
+    job = tmp_path / "job.yaml"
+    job.write_text("hooks:\n  pip_url: http://file-repo/simple/\n  pip_host: file-repo\n")
+    assert _index_options({}, tmp_path, str(job)) == ["--index-url", "http://file-repo/simple/",
+                                                       "--trusted-host", "file-repo"]
+    assert _index_options({"MA_PIP_URL": "http://env-repo/"}, tmp_path, str(job))[:2] == ["--index-url",
+                                                                                          "http://env-repo/"]
 
 
 def test_a_bad_line_is_not_repeated_since_it_may_hold_a_secret():

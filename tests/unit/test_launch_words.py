@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import children, ranktable, spec, sshd
+from ma_runtime import children, spec, sshd
 from ma_runtime.errors import ConfigError
+from ma_runtime.ranktable import model as table_model
 from tests.conftest import MA_RUNTIME, alive, free_port
 from tests.recording import Log
 from tests.unit.test_mpirun import _SBIN_PATH, login, needs_sshd, trust
@@ -50,7 +51,7 @@ def hostile(job_env, tmp_path):
 def rank_table(base: Path) -> dict:
     config = base / "config"
     config.mkdir()
-    (config / ranktable.FILE_NAME).write_text(json.dumps(template_two(TWO_BY_EIGHT)))
+    (config / table_model.FILE_NAME).write_text(json.dumps(template_two(TWO_BY_EIGHT)))
     return {"RANK_TABLE_FILE": str(config), **TWO_NODES, "MA_NUM_GPUS": "8", "VC_TASK_INDEX": "1",
             "MA_CURRENT_INSTANCE_NAME": f"{VJ}-worker-1"}
 

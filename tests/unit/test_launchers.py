@@ -70,12 +70,18 @@ def test_an_unknown_launcher_is_refused_by_name():
         registry.launcher("base")  # a module of launch/, not a launcher
 
 
-def test_reading_the_methods_at_start_up_imports_no_launcher():
+def test_collecting_the_launchers_settings_at_start_up_imports_nothing_heavy():
+    # spec imports every launcher module for its settings (issue 25: declared in the launcher's module); a
+    # launcher module must stay cheap to import: no YAML, no process table, no SDK, no framework, no sshd.
+    heavy = ("yaml", "psutil", "requests", "obs", "torch", "mindspore", "ma_runtime.sshd", "ma_runtime.storage.obs")
     script = ("import sys, ma_runtime.spec; "
-              "print(*sorted(m for m in sys.modules if m.startswith('ma_runtime.launch')))")
+              "print(*sorted(m for m in sys.modules if m.startswith('ma_runtime.launch.') or m.split('.')[0] in "
+              f"{heavy!r} or m in {heavy!r}))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["ma_runtime.launch", "ma_runtime.launch.registry"]
+    loaded = result.stdout.split()
+    assert not [name for name in loaded if name in heavy or name.split(".")[0] in heavy], loaded
+    assert {f"ma_runtime.launch.{method.replace('-', '_')}" for method in registry.METHODS} <= set(loaded)
 
 
 def test_a_bogus_method_is_one_line_naming_the_valid_ones(job_env):

@@ -25,6 +25,9 @@ from ma_runtime import ranktable, spec, stagein
 from ma_runtime.errors import ConfigError, ExitCode
 from ma_runtime.launch import plan
 from ma_runtime.launch.args import build_argv
+from ma_runtime.ranktable import convert as table_convert
+from ma_runtime.ranktable import model as table_model
+from ma_runtime.ranktable import node as table_node
 from tests.conftest import MA_RUNTIME
 
 UUID = "0f8e2c1a-5b6d-4e7f-8a9b-0c1d2e3f4a5b"
@@ -122,12 +125,12 @@ def template_two(pods):
 
 def prepared(tmp_path, job_spec, environ, pods):
     """The rank table as `ranktable.prepare` hands it over, without waiting or writing template one."""
-    source = tmp_path / "config" / ranktable.FILE_NAME
+    source = tmp_path / "config" / table_model.FILE_NAME
     source.parent.mkdir(exist_ok=True)
     text = json.dumps(template_two(pods))
     source.write_text(text)
-    ranked = ranktable.read_any(text, str(source))
-    return ranktable.Prepared(source, ranktable.converted_path(job_spec), ranked, ranktable.node_view(ranked, environ))
+    ranked = table_convert.read_any(text, str(source))
+    return ranktable.Prepared(source, ranktable.converted_path(job_spec), ranked, table_node.node_view(ranked, environ))
 
 
 TWO_BY_EIGHT = [(f"{VJ}-worker-{pod}", f"172.16.0.{10 + pod}", list(range(8))) for pod in range(2)]
@@ -700,7 +703,7 @@ def test_build_is_pure(job, tmp_path):
     second = [result for _, result in every_method(job, tmp_path)]
     assert first == second
     created = sorted(set(str(path) for path in tmp_path.rglob("*")) - set(before))
-    assert created == [str(tmp_path / "config"), str(tmp_path / "config" / ranktable.FILE_NAME)]  # the test's
+    assert created == [str(tmp_path / "config"), str(tmp_path / "config" / table_model.FILE_NAME)]  # the test's
 
 
 # --------------------------------------------------------------------------- the default `which`
@@ -793,14 +796,14 @@ def test_cli_plan_plain_masks_secret_values_and_starts_nothing(cli_env, tmp_path
 def test_cli_plan_rtf_from_the_platforms_rank_table(cli_env, tmp_path):
     config = tmp_path / "config"
     config.mkdir()
-    (config / ranktable.FILE_NAME).write_text(json.dumps(template_two(TWO_BY_EIGHT)))
+    (config / table_model.FILE_NAME).write_text(json.dumps(template_two(TWO_BY_EIGHT)))
     cli_env.update(RANK_TABLE_FILE=str(config), MA_VJ_NAME=VJ, MA_NUM_HOSTS="2", MA_NUM_GPUS="8", VC_TASK_INDEX="1",
                    MA_CURRENT_INSTANCE_NAME=f"{VJ}-worker-1")
     result = plan_cli(["--json", "--", "python", "train.py"], cli_env)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["method"] == "rtf" and document["processes_per_node"] == 8
-    converted = Path(cli_env["MA_HOME"]) / "modelarts" / ".ma-runtime" / "rank_table" / ranktable.FILE_NAME
+    converted = Path(cli_env["MA_HOME"]) / "modelarts" / ".ma-runtime" / "rank_table" / table_model.FILE_NAME
     assert [w["env"]["RANK_ID"] for w in document["workers"]] == [str(rank) for rank in range(8, 16)]
     assert {w["env"]["RANK_TABLE_FILE"] for w in document["workers"]} == {str(converted)}
     assert all(w["argv"] == ["python", "train.py"] for w in document["workers"])

@@ -39,7 +39,7 @@ def test_names_one_or_more_per_line_and_hosts_file_style(tmp_path):
     )
     (tmp_path / "worker.num").write_text("5\n")
     (tmp_path / "notes.txt").write_text("not-a-name.job\n")
-    assert dns.host_names(tmp_path, {}) == [
+    assert dns.host_names(tmp_path, "") == [
         "job-worker-0.job", "job-worker-1.job", "job-worker-2.job", "job-worker-3.job", "job-worker-3",
         "job-worker-4.job",
     ]
@@ -48,8 +48,8 @@ def test_names_one_or_more_per_line_and_hosts_file_style(tmp_path):
 def test_names_from_several_files_in_file_name_order_then_vc_worker_hosts_without_duplicates(tmp_path):
     (tmp_path / "worker.host").write_text("job-worker-0.job\njob-worker-1.job\n")
     (tmp_path / "master.host").write_text("job-master-0.job\njob-worker-0.job\n")
-    environ = {"VC_WORKER_HOSTS": " job-worker-1.job, ,job-worker-9.job,job-master-0.job,"}
-    assert dns.host_names(tmp_path, environ) == [
+    worker_hosts = " job-worker-1.job, ,job-worker-9.job,job-master-0.job,"
+    assert dns.host_names(tmp_path, worker_hosts) == [
         "job-master-0.job", "job-worker-0.job", "job-worker-1.job", "job-worker-9.job",
     ]
 
@@ -63,12 +63,12 @@ def test_host_files_are_only_those_directly_under_the_directory_symlinks_followe
     (tmp_path / "worker.host").symlink_to("..data/worker.host")
     (tmp_path / "dangling.host").symlink_to("..data/absent.host")
     (tmp_path / "sub.host").mkdir()
-    assert dns.host_names(tmp_path, {}) == ["job-worker-0.job"]
+    assert dns.host_names(tmp_path, "") == ["job-worker-0.job"]
 
 
 def test_no_directory_and_no_variable_means_no_names(tmp_path):
-    assert dns.host_names(tmp_path / "absent", {}) == []
-    assert dns.host_names(tmp_path / "absent", {"VC_WORKER_HOSTS": " , "}) == []
+    assert dns.host_names(tmp_path / "absent", "") == []
+    assert dns.host_names(tmp_path / "absent", " , ") == []
 
 
 def test_run_skips_a_single_node_job(tmp_path):

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from ma_runtime import children, output
-from ma_runtime.spec import BadValue, _regex
+from ma_runtime.setting import BadValue
+from ma_runtime.setting import regex as _regex
 from ma_runtime.supervise import matcher, progress
 from ma_runtime.supervise.progress import ProgressSink
 from ma_runtime.sync.units import Units

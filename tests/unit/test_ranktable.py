@@ -17,7 +17,11 @@ from hypothesis import strategies as st
 from ma_runtime import ranktable
 from ma_runtime import spec as job_spec
 from ma_runtime.errors import ExitCode
-from ma_runtime.ranktable import RankTableError, RankTableTimeout
+from ma_runtime.ranktable import convert as table_convert
+from ma_runtime.ranktable import model as table_model
+from ma_runtime.ranktable import node as table_node
+from ma_runtime.ranktable import wait as table_wait
+from ma_runtime.ranktable.model import RankTableError, RankTableTimeout
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "ranktable"
 CASES = sorted(path.name[: -len(".template2.json")] for path in DATA.glob("*.template2.json"))
@@ -28,7 +32,7 @@ def golden(case, template):
 
 
 def from_text(text, source="table.json"):
-    return ranktable.convert(ranktable.parse_template_two(ranktable.load_document(text, source), source))
+    return table_convert.convert(table_convert.parse_template_two(table_convert.load_document(text, source), source))
 
 
 def rank_map(ranked):
@@ -85,8 +89,8 @@ def test_conversion_equals_the_golden_template_one(case):
 @pytest.mark.parametrize("case", CASES)
 def test_read_any_converts_template_two_and_keeps_template_one(case):
     expected = json.loads(golden(case, 1))
-    assert ranktable.read_any(golden(case, 2), "t2").template_one() == expected
-    assert ranktable.read_any(golden(case, 1), "t1").template_one() == expected
+    assert table_convert.read_any(golden(case, 2), "t2").template_one() == expected
+    assert table_convert.read_any(golden(case, 1), "t1").template_one() == expected
 
 
 def test_platform_example_by_the_documented_values():
@@ -134,12 +138,12 @@ def test_rank_size_of_sixteen_by_sixteen():
      (None, None), ("job-10-worker", None)],
 )
 def test_pod_index(name, index):
-    assert ranktable.pod_index(name) == index
+    assert table_convert.pod_index(name) == index
 
 
 def test_is_template_two():
-    assert ranktable.is_template_two(json.loads(golden("two_servers_8", 2)))
-    assert not ranktable.is_template_two(json.loads(golden("two_servers_8", 1)))
+    assert table_convert.is_template_two(json.loads(golden("two_servers_8", 2)))
+    assert not table_convert.is_template_two(json.loads(golden("two_servers_8", 1)))
 
 
 # --------------------------------------------------------------------------- properties
@@ -210,7 +214,7 @@ PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 @PROPERTY
 @given(template_twos())
 def test_conversion_follows_the_rank_rule(document):
-    ranked = ranktable.convert(ranktable.parse_template_two(document, "t2"))
+    ranked = table_convert.convert(table_convert.parse_template_two(document, "t2"))
     table = ranked.template_one()
     devices = [d for i in document["group_list"] for p in i["instance_list"] for d in p["devices"]]
     assert sorted(int(d["rank_id"]) for s in table["server_list"] for d in s["device"]) == list(range(len(devices)))
@@ -224,7 +228,7 @@ def test_conversion_follows_the_rank_rule(document):
 @PROPERTY
 @given(template_twos())
 def test_conversion_keeps_every_device(document):
-    table = ranktable.convert(ranktable.parse_template_two(document, "t2")).template_one()
+    table = table_convert.convert(table_convert.parse_template_two(document, "t2")).template_one()
     before = collections.Counter((str(d["device_id"]), d["device_ip"])
                                  for g in document["group_list"] for i in g["instance_list"] for d in i["devices"])
     after = collections.Counter((d["device_id"], d["device_ip"]) for s in table["server_list"] for d in s["device"])
@@ -234,16 +238,16 @@ def test_conversion_keeps_every_device(document):
 @PROPERTY
 @given(template_twos())
 def test_conversion_is_deterministic(document):
-    first = ranktable.read_any(json.dumps(document), "t2").template_one()
-    again = ranktable.read_any(json.dumps(copy.deepcopy(document), indent=2), "t2").template_one()
+    first = table_convert.read_any(json.dumps(document), "t2").template_one()
+    again = table_convert.read_any(json.dumps(copy.deepcopy(document), indent=2), "t2").template_one()
     assert json.dumps(first) == json.dumps(again)
 
 
 @PROPERTY
 @given(template_twos())
 def test_template_one_output_reads_back_with_the_same_ranks(document):
-    ranked = ranktable.read_any(json.dumps(document), "t2")
-    again = ranktable.read_any(json.dumps(ranked.template_one()), "t1")
+    ranked = table_convert.read_any(json.dumps(document), "t2")
+    again = table_convert.read_any(json.dumps(ranked.template_one()), "t1")
     assert rank_map(again) == rank_map(ranked)
     assert again.rank_size == ranked.rank_size
     assert again.template_one() == ranked.template_one()
@@ -359,7 +363,7 @@ TWO_INVALID = [
 def test_invalid_template_two_names_the_json_path(mutate, message):
     document = two_with(mutate)
     with pytest.raises(RankTableError) as raised:
-        ranktable.read_any(json.dumps(document), "/user/config/jobstart_hccl.json")
+        table_convert.read_any(json.dumps(document), "/user/config/jobstart_hccl.json")
     assert str(raised.value) == f"/user/config/jobstart_hccl.json: {message}"
     assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION == 78
     assert raised.value.stage == "ranktable"
@@ -400,7 +404,7 @@ ONE_INVALID = [
 @pytest.mark.parametrize("mutate, message", ONE_INVALID, ids=[m for _, m in ONE_INVALID])
 def test_invalid_template_one_names_the_json_path(mutate, message):
     with pytest.raises(RankTableError) as raised:
-        ranktable.read_any(json.dumps(one_with(mutate)), "rt.json")
+        table_convert.read_any(json.dumps(one_with(mutate)), "rt.json")
     assert str(raised.value) == f"rt.json: {message}"
 
 
@@ -408,13 +412,13 @@ def test_duplicate_device_in_a_template_one_server_is_refused():
     document = one_with(lambda d: t1_device(d, 0, 1).update(device_id="0"))
     pattern = r"rt\.json: server_list\[0\]\.devices?\[1\]\.device_id: device 0 is listed twice"
     with pytest.raises(RankTableError, match=pattern):
-        ranktable.read_any(json.dumps(document), "rt.json")
+        table_convert.read_any(json.dumps(document), "rt.json")
 
 
 def test_duplicate_device_in_a_template_one_server_names_the_device_key():
     document = one_with(lambda d: t1_device(d, 0, 1).update(device_id="0"))
     with pytest.raises(RankTableError, match=r"server_list\[0\]\.device\[1\]\.device_id"):
-        ranktable.read_any(json.dumps(document), "rt.json")
+        table_convert.read_any(json.dumps(document), "rt.json")
 
 
 @pytest.mark.parametrize(
@@ -429,19 +433,19 @@ def test_duplicate_device_in_a_template_one_server_names_the_device_key():
 )
 def test_malformed_documents(text, message):
     with pytest.raises(RankTableError) as raised:
-        ranktable.read_any(text, "t.json")
+        table_convert.read_any(text, "t.json")
     assert str(raised.value).startswith(message)
 
 
 def test_template_one_is_kept_as_given():
     document = template_one()
-    assert ranktable.read_any(json.dumps(document), "t1").template_one() == document
+    assert table_convert.read_any(json.dumps(document), "t1").template_one() == document
 
 
 def test_template_one_with_int_ranks_reads_as_strings():
     document = one_with(lambda d: [t1_device(d, s, i).update(rank_id=r, device_id=int(t1_device(d, s, i)["device_id"]))
                                    for s, i, r in ((0, 0, 0), (0, 1, 1), (1, 0, 2))])
-    assert ranktable.read_any(json.dumps(document), "t1").template_one() == template_one()
+    assert table_convert.read_any(json.dumps(document), "t1").template_one() == template_one()
 
 
 @pytest.mark.parametrize("field", ["group_count", "device_id"])
@@ -452,34 +456,34 @@ def test_unicode_digits_are_a_rank_table_error(field):
     else:
         device(document, 0, 0)["device_id"] = "\u00b2"
     with pytest.raises(RankTableError):
-        ranktable.read_any(json.dumps(document), "t2")
+        table_convert.read_any(json.dumps(document), "t2")
 
 
 # --------------------------------------------------------------------------- locating and looking
 
 
 def test_locate_appends_the_file_name_to_a_directory(tmp_path):
-    assert ranktable.locate(str(tmp_path)) == tmp_path / "jobstart_hccl.json"
+    assert table_wait.locate(str(tmp_path)) == tmp_path / "jobstart_hccl.json"
     (tmp_path / "looks.json").mkdir()
-    assert ranktable.locate(str(tmp_path / "looks.json")) == tmp_path / "looks.json" / "jobstart_hccl.json"
+    assert table_wait.locate(str(tmp_path / "looks.json")) == tmp_path / "looks.json" / "jobstart_hccl.json"
 
 
 def test_locate_treats_a_missing_path_without_json_suffix_as_a_directory(tmp_path):
-    assert ranktable.locate(str(tmp_path / "config")) == tmp_path / "config" / "jobstart_hccl.json"
-    assert ranktable.locate("/user/config") == Path("/user/config/jobstart_hccl.json")
+    assert table_wait.locate(str(tmp_path / "config")) == tmp_path / "config" / "jobstart_hccl.json"
+    assert table_wait.locate("/user/config") == Path("/user/config/jobstart_hccl.json")
 
 
 def test_locate_takes_any_existing_non_directory_as_the_table(tmp_path):
     (tmp_path / "rank_table").write_text("{}")
     os.mkfifo(tmp_path / "fifo")
-    assert ranktable.locate(str(tmp_path / "rank_table")) == tmp_path / "rank_table"
-    assert ranktable.locate(str(tmp_path / "fifo")) == tmp_path / "fifo"
-    assert ranktable.locate("/dev/zero") == Path("/dev/zero")
+    assert table_wait.locate(str(tmp_path / "rank_table")) == tmp_path / "rank_table"
+    assert table_wait.locate(str(tmp_path / "fifo")) == tmp_path / "fifo"
+    assert table_wait.locate("/dev/zero") == Path("/dev/zero")
 
 
 def test_locate_keeps_a_json_file_path(tmp_path):
-    assert ranktable.locate(str(tmp_path / "rank_table.json")) == tmp_path / "rank_table.json"
-    assert ranktable.locate("/user/config/jobstart_hccl.json") == Path("/user/config/jobstart_hccl.json")
+    assert table_wait.locate(str(tmp_path / "rank_table.json")) == tmp_path / "rank_table.json"
+    assert table_wait.locate("/user/config/jobstart_hccl.json") == Path("/user/config/jobstart_hccl.json")
 
 
 @pytest.mark.parametrize(
@@ -500,7 +504,7 @@ def test_look_names_what_it_found(tmp_path, content, state):
     path = tmp_path / "jobstart_hccl.json"
     if content is not None:
         path.write_bytes(content)
-    seen = ranktable.look(path)
+    seen = table_wait.look(path)
     assert seen.state == state
     if state in ("completed", "incomplete JSON", "status='initializing'"):
         assert seen.text == content.decode("utf-8", "ignore")  # a character cut at the end: no text yet
@@ -508,7 +512,7 @@ def test_look_names_what_it_found(tmp_path, content, state):
 
 def test_look_at_a_directory_refuses_it(tmp_path):
     with pytest.raises(RankTableError, match=f"^{re.escape(str(tmp_path))} is a directory, not a rank table"):
-        ranktable.look(tmp_path)
+        table_wait.look(tmp_path)
 
 
 # --------------------------------------------------------------------------- waiting, on a fake clock
@@ -540,7 +544,7 @@ COMPLETED = golden("platform_example", 2)
 def test_wait_logs_progress_and_times_out_saying_what_it_saw_last(tmp_path):
     path, log, fake = tmp_path / "jobstart_hccl.json", Log(), FakeTime()
     with pytest.raises(RankTableTimeout) as raised:
-        ranktable.wait(path, 25, log, poll=0.5, progress=10, clock=fake.clock, sleep=fake.sleep)
+        table_wait.wait(path, 25, log, poll=0.5, progress=10, clock=fake.clock, sleep=fake.sleep)
     assert str(raised.value) == f"rank table {path} not completed after 25 s; last seen: missing"
     assert raised.value.exit_code == ExitCode.TIMED_OUT == 81 and raised.value.stage == "ranktable"
     assert log.fields("rank table waiting") == [
@@ -559,7 +563,7 @@ def test_wait_tolerates_missing_empty_and_half_written_files(tmp_path):
         (4.0, lambda: path.write_text(COMPLETED[:-20])),
         (5.0, lambda: path.write_text(COMPLETED)),
     ])
-    text = ranktable.wait(path, 60, log, poll=0.5, progress=1.0, clock=fake.clock, sleep=fake.sleep)
+    text = table_wait.wait(path, 60, log, poll=0.5, progress=1.0, clock=fake.clock, sleep=fake.sleep)
     assert text == COMPLETED and fake.now == 5.0
     assert [f["seen"] for f in log.fields("rank table waiting")] == [
         "empty", "incomplete JSON", "status='initializing'", "incomplete JSON"]
@@ -571,27 +575,27 @@ def test_wait_times_out_naming_the_status_it_last_saw(tmp_path):
     path.write_text(INITIALIZING)
     fake = FakeTime()
     with pytest.raises(RankTableTimeout, match=r"not completed after 1\.5 s; last seen: status='initializing'$"):
-        ranktable.wait(path, 1.5, Log(), clock=fake.clock, sleep=fake.sleep)
+        table_wait.wait(path, 1.5, Log(), clock=fake.clock, sleep=fake.sleep)
 
 
 def test_wait_returns_at_once_when_already_completed(tmp_path):
     path, log, fake = tmp_path / "jobstart_hccl.json", Log(), FakeTime()
     path.write_text(COMPLETED)
-    assert ranktable.wait(path, 0, log, clock=fake.clock, sleep=fake.sleep) == COMPLETED
+    assert table_wait.wait(path, 0, log, clock=fake.clock, sleep=fake.sleep) == COMPLETED
     assert fake.sleeps == [] and log.records == []
 
 
 def test_wait_never_sleeps_past_the_deadline(tmp_path):
     fake = FakeTime()
     with pytest.raises(RankTableTimeout):
-        ranktable.wait(tmp_path / "absent.json", 1.25, Log(), poll=0.5, clock=fake.clock, sleep=fake.sleep)
+        table_wait.wait(tmp_path / "absent.json", 1.25, Log(), poll=0.5, clock=fake.clock, sleep=fake.sleep)
     assert fake.sleeps == [0.5, 0.5, 0.25]
 
 
 def test_wait_with_zero_timeout_fails_without_sleeping(tmp_path):
     fake = FakeTime()
     with pytest.raises(RankTableTimeout, match="last seen: missing"):
-        ranktable.wait(tmp_path / "absent.json", 0, Log(), clock=fake.clock, sleep=fake.sleep)
+        table_wait.wait(tmp_path / "absent.json", 0, Log(), clock=fake.clock, sleep=fake.sleep)
     assert fake.sleeps == []
 
 
@@ -609,12 +613,12 @@ def four_servers():
     document = {"group_count": "1", "group_list": [{"device_count": "32", "group_name": "job-worker",
                                                     "instance_count": "4", "instance_list": instances}],
                 "status": "completed"}
-    return ranktable.read_any(json.dumps(document), "four.json")
+    return table_convert.read_any(json.dumps(document), "four.json")
 
 
 @pytest.mark.parametrize("index", range(4))
 def test_each_task_index_gets_its_server_ranks_and_logical_ids(index):
-    view = ranktable.node_view(four_servers(), {"VC_TASK_INDEX": str(index)})
+    view = table_node.node_view(four_servers(), {"VC_TASK_INDEX": str(index)})
     assert (view.server_id, view.pod_name, view.matched_by) == (f"10.9.0.{index + 1}", f"job9-worker-{index}",
                                                                "VC_TASK_INDEX")
     assert [d.rank_id for d in view.devices] == list(range(8 * index, 8 * index + 8))
@@ -627,18 +631,18 @@ def test_each_task_index_gets_its_server_ranks_and_logical_ids(index):
 
 
 def test_logical_ids_follow_physical_order_not_rank_order():
-    devices = ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "1"}).devices
+    devices = table_node.node_view(four_servers(), {"VC_TASK_INDEX": "1"}).devices
     assert [(d.rank_id, d.device_id, d.logical_id) for d in devices][:2] == [(8, "15", 7), (9, "14", 6)]
 
 
 @pytest.mark.parametrize("name", ["MA_TASK_INDEX", "VK_TASK_INDEX"])
 def test_task_index_fallbacks(name):
-    view = ranktable.node_view(four_servers(), {name: "2"})
+    view = table_node.node_view(four_servers(), {name: "2"})
     assert view.server_id == "10.9.0.3" and view.matched_by == "VC_TASK_INDEX"
 
 
 def test_vc_task_index_comes_before_its_fallbacks():
-    assert ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "3", "MA_TASK_INDEX": "0"}).server_id == "10.9.0.4"
+    assert table_node.node_view(four_servers(), {"VC_TASK_INDEX": "3", "MA_TASK_INDEX": "0"}).server_id == "10.9.0.4"
 
 
 @pytest.mark.parametrize(
@@ -650,41 +654,41 @@ def test_vc_task_index_comes_before_its_fallbacks():
     ],
 )
 def test_pod_name_match_comes_first(environ, hostname):
-    view = ranktable.node_view(four_servers(), environ, hostname)
+    view = table_node.node_view(four_servers(), environ, hostname)
     assert (view.server_id, view.matched_by) == ("10.9.0.4", "pod name")
     assert [d.rank_id for d in view.devices] == list(range(24, 32))
 
 
 def test_current_ip_match_comes_before_task_index():
-    view = ranktable.node_view(four_servers(), {"MA_CURRENT_IP": "10.9.0.3", "VC_TASK_INDEX": "0",
+    view = table_node.node_view(four_servers(), {"MA_CURRENT_IP": "10.9.0.3", "VC_TASK_INDEX": "0",
                                                 "HOSTNAME": "not-a-pod"})
     assert (view.server_id, view.matched_by) == ("10.9.0.3", "MA_CURRENT_IP")
 
 
 def test_current_ip_shared_by_two_pods_falls_back_to_task_index():
-    ranked = ranktable.read_any(golden("shared_server", 2), "shared")
-    view = ranktable.node_view(ranked, {"MA_CURRENT_IP": "10.5.0.1", "VC_TASK_INDEX": "2"})
+    ranked = table_convert.read_any(golden("shared_server", 2), "shared")
+    view = table_node.node_view(ranked, {"MA_CURRENT_IP": "10.5.0.1", "VC_TASK_INDEX": "2"})
     assert (view.pod_name, view.matched_by) == ("job5-worker-2", "VC_TASK_INDEX")
     assert [d.rank_id for d in view.devices] == [4, 5]
 
 
 def test_template_one_matches_by_current_ip():
-    ranked = ranktable.read_any(golden("two_servers_8", 1), "t1")
-    view = ranktable.node_view(ranked, {"MA_CURRENT_IP": "172.16.0.11"})
+    ranked = table_convert.read_any(golden("two_servers_8", 1), "t1")
+    view = table_node.node_view(ranked, {"MA_CURRENT_IP": "172.16.0.11"})
     assert view.matched_by == "MA_CURRENT_IP" and view.pod_name is None
     assert [d.rank_id for d in view.devices] == list(range(8, 16))
 
 
 def test_more_gpus_wanted_than_the_node_has_is_an_error():
     with pytest.raises(RankTableError, match=r"MA_NUM_GPUS=16, but the rank table gives this node \(10\.9\.0\.1\) 8"):
-        ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "0", "MA_NUM_GPUS": "16"})
-    assert len(ranktable.node_view(four_servers(), {"VC_TASK_INDEX": "0", "MA_NUM_GPUS": "8"}).devices) == 8
+        table_node.node_view(four_servers(), {"VC_TASK_INDEX": "0", "MA_NUM_GPUS": "16"})
+    assert len(table_node.node_view(four_servers(), {"VC_TASK_INDEX": "0", "MA_NUM_GPUS": "8"}).devices) == 8
 
 
 def test_a_node_not_in_the_table_is_an_error():
     environ = {"VC_TASK_INDEX": "9", "HOSTNAME": "elsewhere-0", "MA_CURRENT_IP": "10.99.0.1"}
     with pytest.raises(RankTableError) as raised:
-        ranktable.node_view(four_servers(), environ, "elsewhere")
+        table_node.node_view(four_servers(), environ, "elsewhere")
     message = str(raised.value)
     assert "not in the rank table" in message and "elsewhere-0" in message and "10.99.0.1" in message
     assert "VC_TASK_INDEX=9" in message and "4 pod(s)" in message
@@ -693,7 +697,7 @@ def test_a_node_not_in_the_table_is_an_error():
 
 def test_no_hints_at_all_is_an_error():
     with pytest.raises(RankTableError, match=r"VC_TASK_INDEX=\(unset\)"):
-        ranktable.node_view(four_servers(), {})
+        table_node.node_view(four_servers(), {})
 
 
 # --------------------------------------------------------------------------- the stage in `ma-runtime run`
@@ -747,7 +751,7 @@ def test_two_pods_on_one_host_listing_the_same_device_are_refused():
     pod(document, 1)["server_id"] = "10.0.0.1"  # both pods on one host, both with devices 0 and 1
     with pytest.raises(RankTableError, match=r"pods job-worker-0 and job-worker-1 both list device 0 of server "
                                              r"10\.0\.0\.1"):
-        ranktable.read_any(json.dumps(document), "rt.json")
+        table_convert.read_any(json.dumps(document), "rt.json")
 
 
 def test_a_pod_without_devices_is_its_own_node_and_not_in_template_one():
@@ -761,25 +765,25 @@ def test_a_pod_without_devices_is_its_own_node_and_not_in_template_one():
                                 "pod_name": "job-worker-0", "server_id": "10.0.0.2"}]},
         ],
     }
-    ranked = ranktable.read_any(json.dumps(document), "rt.json")
+    ranked = table_convert.read_any(json.dumps(document), "rt.json")
 
-    view = ranktable.node_view(ranked, {"HOSTNAME": "job-ps-0", "MA_CURRENT_IP": "10.0.0.1", "VC_TASK_INDEX": "0"})
+    view = table_node.node_view(ranked, {"HOSTNAME": "job-ps-0", "MA_CURRENT_IP": "10.0.0.1", "VC_TASK_INDEX": "0"})
 
     assert (view.pod_name, view.devices, view.rank_size) == ("job-ps-0", (), 1)
     assert [server["server_id"] for server in ranked.template_one()["server_list"]] == ["10.0.0.2"]
 
 
 def test_a_local_run_without_a_task_index_takes_the_only_pod():
-    ranked = ranktable.read_any(json.dumps(template_two()), "rt.json")
-    single = ranktable.Ranked(ranked.instances[:1])
-    assert ranktable.node_view(single, {}).matched_by == "the only pod"
+    ranked = table_convert.read_any(json.dumps(template_two()), "rt.json")
+    single = table_model.Ranked(ranked.instances[:1])
+    assert table_node.node_view(single, {}).matched_by == "the only pod"
     with pytest.raises(RankTableError, match="not in the rank table"):
-        ranktable.node_view(ranked, {})  # two pods: no guessing
+        table_node.node_view(ranked, {})  # two pods: no guessing
 
 
 def test_the_written_layout_is_the_same_json_with_one_server_per_line():
-    document = ranktable.read_any(json.dumps(template_two()), "rt.json").template_one()
-    text = ranktable.layout(document)
+    document = table_convert.read_any(json.dumps(template_two()), "rt.json").template_one()
+    text = table_convert.layout(document)
     assert json.loads(text) == document
     assert [line.strip()[:12] for line in text.splitlines() if "server_id" in line] == ['{"device": [', '{"device": [']
 
@@ -824,7 +828,7 @@ HOSTILE_JSON = [
 @pytest.mark.parametrize("text, message", [c[1:] for c in HOSTILE_JSON], ids=[c[0] for c in HOSTILE_JSON])
 def test_read_any_refuses_json_no_rank_table_holds(text, message):
     with pytest.raises(RankTableError, match=r"^t\.json: " + message) as raised:
-        ranktable.read_any(text, "t.json")
+        table_convert.read_any(text, "t.json")
     assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION
     assert "\n" not in str(raised.value) and len(str(raised.value)) < 300
 
@@ -834,13 +838,13 @@ def test_wait_fails_at_once_on_json_no_rank_table_holds(tmp_path, text, message)
     path, fake = tmp_path / "jobstart_hccl.json", FakeTime()
     path.write_text(text)
     with pytest.raises(RankTableError, match=message):
-        ranktable.wait(path, 60, Log(), clock=fake.clock, sleep=fake.sleep)
+        table_wait.wait(path, 60, Log(), clock=fake.clock, sleep=fake.sleep)
     assert fake.sleeps == []
 
 
 def test_numbers_of_up_to_32_characters_and_unused_floats_are_read():
     for extra in ("1" * 32, "-" + "1" * 31, "1.5", "-2.5e-3", "1" * 20 + ".0"):
-        ranked = ranktable.read_any(completed_with(extra), "t.json")
+        ranked = table_convert.read_any(completed_with(extra), "t.json")
         assert ranked.template_one() == json.loads(golden("platform_example", 1))
 
 
@@ -923,7 +927,7 @@ def hostile_at(tmp_path, make):
 def test_look_refuses_what_never_becomes_a_table(tmp_path, make, message):
     path = hostile_at(tmp_path, make)
     with FifoReleaser(path), pytest.raises(RankTableError, match="^" + re.escape(str(path)) + message) as raised:
-        ranktable.look(path)
+        table_wait.look(path)
     assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION and "\n" not in str(raised.value)
 
 
@@ -931,7 +935,7 @@ def test_look_refuses_what_never_becomes_a_table(tmp_path, make, message):
 def test_wait_fails_at_once_on_what_never_becomes_a_table(tmp_path, make, message):
     path, fake = hostile_at(tmp_path, make), FakeTime()
     with FifoReleaser(path), pytest.raises(RankTableError, match=message):
-        ranktable.wait(path, 60, Log(), clock=fake.clock, sleep=fake.sleep)
+        table_wait.wait(path, 60, Log(), clock=fake.clock, sleep=fake.sleep)
     assert fake.sleeps == []
 
 
@@ -955,21 +959,21 @@ def test_read_table_refuses_the_same_files(tmp_path):
         path = tmp_path / name.replace(" ", "-")
         path.mkdir()
         with pytest.raises(RankTableError, match=message):
-            ranktable.read_table(hostile_at(path, make))
+            table_wait.read_table(hostile_at(path, make))
 
 
 def test_a_table_of_exactly_32_mib_is_read(tmp_path):
     path = tmp_path / "jobstart_hccl.json"
     path.write_bytes(COMPLETED.encode().ljust(BOUND))
-    assert ranktable.look(path).state == "completed"
-    assert ranktable.read_table(path).rstrip() == COMPLETED.rstrip()
+    assert table_wait.look(path).state == "completed"
+    assert table_wait.read_table(path).rstrip() == COMPLETED.rstrip()
 
 
 def test_a_utf8_byte_order_mark_is_tolerated(tmp_path):
     path = tmp_path / "jobstart_hccl.json"
     path.write_bytes(codecs.BOM_UTF8 + COMPLETED.encode())
-    assert ranktable.wait(path, 0, Log()) == COMPLETED
-    assert ranktable.read_table(path) == COMPLETED
+    assert table_wait.wait(path, 0, Log()) == COMPLETED
+    assert table_wait.read_table(path) == COMPLETED
 
 
 def test_a_character_cut_at_the_end_is_not_yet(tmp_path):
@@ -979,8 +983,8 @@ def test_a_character_cut_at_the_end_is_not_yet(tmp_path):
     cut = whole[: whole.index("\u00e4".encode()) + 1]
     fake = FakeTime([(0.5, lambda: path.write_bytes(cut)), (1.5, lambda: path.write_bytes(whole))])
     path.write_bytes(cut)
-    assert ranktable.look(path).state == "incomplete JSON"
-    assert ranktable.wait(path, 60, log, progress=1.0, clock=fake.clock, sleep=fake.sleep) == whole.decode()
+    assert table_wait.look(path).state == "incomplete JSON"
+    assert table_wait.wait(path, 60, log, progress=1.0, clock=fake.clock, sleep=fake.sleep) == whole.decode()
     assert [f["seen"] for f in log.fields("rank table waiting")] == ["incomplete JSON"]
 
 
@@ -988,13 +992,13 @@ def test_read_table_of_a_character_cut_at_the_end_says_so(tmp_path):
     path = tmp_path / "jobstart_hccl.json"
     path.write_bytes(COMPLETED.encode() + "\u00e4".encode()[:1])
     with pytest.raises(RankTableError, match=r"ends inside a UTF-8 character \(byte \d+\): half-written"):
-        ranktable.read_table(path)
+        table_wait.read_table(path)
 
 
 def test_read_table_of_a_missing_file_says_cannot_read(tmp_path):
     path = tmp_path / "absent.json"
     with pytest.raises(RankTableError, match=f"^cannot read the rank table {re.escape(str(path))}: No such file"):
-        ranktable.read_table(path)
+        table_wait.read_table(path)
 
 
 # --------------------------------------------------------------------------- writing over what is not a file
@@ -1025,9 +1029,9 @@ def test_write_atomically_never_replaces_what_is_not_a_file(tmp_path, make, kind
     target = tmp_path / "out.json"
     make(target)
     before = sorted(p.name for p in tmp_path.iterdir())
-    document = ranktable.read_any(COMPLETED, "t2").template_one()
+    document = table_convert.read_any(COMPLETED, "t2").template_one()
     with pytest.raises(RankTableError) as raised:
-        ranktable.write_atomically(target, document)
+        table_convert.write_atomically(target, document)
     assert str(raised.value) == f"cannot write {target}: {name} is in the way (only a regular file is ever replaced)"
     assert raised.value.exit_code == ExitCode.BAD_CONFIGURATION
     assert kind(os.stat(target).st_mode)
@@ -1052,8 +1056,8 @@ def test_write_atomically_replaces_a_regular_file_through_its_link(tmp_path):
     real = tmp_path / "real.json"
     real.write_text("old")
     (tmp_path / "link.json").symlink_to("real.json")
-    document = ranktable.read_any(COMPLETED, "t2").template_one()
-    ranktable.write_atomically(tmp_path / "link.json", document)
+    document = table_convert.read_any(COMPLETED, "t2").template_one()
+    table_convert.write_atomically(tmp_path / "link.json", document)
     assert (tmp_path / "link.json").is_symlink() and json.loads(real.read_text()) == document
 
 
@@ -1070,3 +1074,14 @@ def test_prepare_finds_this_node_by_the_task_index_from_a_flag_or_the_job_file(t
     spec = job_spec.load({"task_index": "1"}, environ) if how == "flag" else job_spec.load({}, environ, str(job))
     prepared = ranktable.prepare(spec, environ, Log())
     assert prepared.node.server_id == "172.16.0.11" and prepared.node.matched_by == "VC_TASK_INDEX"
+
+
+def test_the_spec_and_the_node_view_read_the_task_index_by_one_rule(tmp_path):
+    # MA_TASK_INDEX alone: the node view found pod 1 while spec (and so the launch's node rank) said 0.
+    source = tmp_path / "config"
+    source.mkdir()
+    (source / "jobstart_hccl.json").write_text(golden("two_servers_8", 2))
+    environ = {"MA_HOME": str(tmp_path / "home"), "RANK_TABLE_FILE": str(source), "MA_TASK_INDEX": "1"}
+    spec = job_spec.load({}, environ)
+    prepared = ranktable.prepare(spec, environ, Log())
+    assert spec.task_index == 1 and prepared.node.server_id == "172.16.0.11"

@@ -263,3 +263,88 @@ def test_the_hint_names_the_variable_and_what_it_holds(tmp_path):
     with pytest.raises(ConfigError) as caught:
         spec.load({}, {"MA_HOME": str(tmp_path), "VC_TASK_INDEX": "-1"})
     assert caught.value.hint == "VC_TASK_INDEX: this container's index in the job"  # was "is the this container's"
+
+
+# --------------------------------------------------------------------------- one declaration per setting
+
+
+@pytest.mark.parametrize("variable", ["MA_TASK_INDEX", "VK_TASK_INDEX"])
+def test_the_task_index_fallbacks_are_read_by_spec_as_by_the_rank_table(tmp_path, variable):
+    # spec read only VC_TASK_INDEX (0 here) while the rank table's node view also read these: two rules, two answers.
+    loaded = spec.load({}, {"MA_HOME": str(tmp_path), variable: "3"})
+    assert (loaded.task_index, loaded.sources["task_index"]) == (3, "env")
+
+
+def test_vc_task_index_wins_over_its_fallbacks_and_a_bad_fallback_is_named(tmp_path):
+    both = {"MA_HOME": str(tmp_path), "VC_TASK_INDEX": "1", "MA_TASK_INDEX": "2", "VK_TASK_INDEX": "3"}
+    assert spec.load({}, both).task_index == 1
+    assert spec.load({}, {**both, "VC_TASK_INDEX": ""}).task_index == 2  # empty counts as unset
+    with pytest.raises(ConfigError, match=r"^MA_TASK_INDEX='x' is not a whole number"):
+        spec.load({}, {"MA_HOME": str(tmp_path), "MA_TASK_INDEX": "x"})
+    assert spec.value_from("task_index", {"VK_TASK_INDEX": "4"}) == 4
+    assert spec.value_from("task_index", {}) is None
+
+
+def test_the_jobspec_fields_are_the_settings_rows_and_their_types(tmp_path):
+    import dataclasses
+    from typing import Optional, Tuple
+
+    fields = {field.name: field.type for field in dataclasses.fields(spec.JobSpec)}
+    assert list(fields)[:len(spec.SETTINGS)] == [setting.name for setting in spec.SETTINGS]
+    assert list(fields)[len(spec.SETTINGS):] == ["hyperparameters", "inputs", "outputs", "config_file", "sources",
+                                                 "notes"]
+    assert (fields["task_index"], fields["ma_home"], fields["log_dir"]) == (int, Path, Path)
+    assert (fields["nproc_per_node"], fields["mpi_slots"]) == (Optional[int], Optional[int])
+    assert (fields["preflight_checks"], fields["hang_stacks"]) == (Tuple[str, ...], bool)
+    assert spec.JobSpec.__module__ == "ma_runtime.spec" and spec.JobSpec.__name__ == "JobSpec"
+    loaded = spec.load({}, {"MA_HOME": str(tmp_path)})
+    assert all(isinstance(getattr(loaded, name), kind) for name, kind in fields.items()
+               if kind in (int, float, bool, str, Path))
+
+
+def test_every_row_says_its_variable_key_flag_kind_and_owner():
+    for setting in spec.SETTINGS:
+        assert setting.envs[0] == setting.env and setting.flag == "--" + setting.name.replace("_", "-")
+        assert setting.file_key.replace(".", "_") == setting.name and setting.kind
+        assert setting.owner == "spec" or setting.owner.startswith("ma_runtime.launch.")
+    by_name = spec.SETTINGS_BY_NAME
+    assert by_name["preflight_checks"].file_key == "preflight.checks"
+    assert by_name["num_gpus"].kind == "whole number, 0 to 1024" and by_name["num_gpus"].range == (0, 1024)
+    assert by_name["sshd_port"].kind == "port, 1 to 65535" and by_name["hang_stacks"].type is bool
+
+
+def test_each_launchers_settings_are_declared_in_its_module_and_collected():
+    from ma_runtime.launch import registry
+
+    for method in registry.METHODS:
+        module = registry.launcher(method)
+        for setting in getattr(module, "SETTINGS", ()):
+            assert spec.SETTINGS_BY_NAME[setting.name] is setting and setting.owner == module.__name__
+    owners = {setting.name: setting.owner for setting in spec.SETTINGS}
+    assert owners["torchrun_master_port"] == "ma_runtime.launch.torchrun"
+    assert owners["msrun_master_port"] == "ma_runtime.launch.msrun"
+    assert owners["sshd_port"] == owners["mpi_slots"] == "ma_runtime.launch.mpirun"
+    assert owners["init_method_port"] == "ma_runtime.launch.pytorch_gpu"
+
+
+@pytest.mark.parametrize("first", ["ma_runtime.launch.mpirun", "ma_runtime.launch.torchrun", "ma_runtime.setting",
+                                   "ma_runtime.spec.jobfile", "ma_runtime.ranktable"])
+def test_any_module_may_be_imported_first(first):
+    # The launchers declare rows that spec collects through the registry: no import order may break the cycle.
+    import subprocess
+    import sys
+
+    code = f"import {first}; import ma_runtime.spec as s; assert s.SETTINGS_BY_NAME['sshd_port'].default == 36666"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_exported_settings_reach_the_command_under_their_variables(tmp_path):
+    from ma_runtime.spec.table import EXPORTED
+    from ma_runtime.supervise.attempt_processes import worker_env
+
+    loaded = spec.load({"task_index": "2"}, {"MA_HOME": str(tmp_path), "MA_RUNTIME_PROGRESS_FILE": "/p",
+                                             "MA_VJ_NAME": "ma-job-1", "MA_PROC_START_CNT": "9"})
+    env = worker_env(loaded, "run-1", 3, {"MA_PROC_START_CNT": "9"})
+    assert {setting.env for setting in EXPORTED} >= {"MA_HOME", "VC_TASK_INDEX", "MA_RUNTIME_PROGRESS_FILE"}
+    assert all(env[setting.env] == str(getattr(loaded, setting.name)) for setting in EXPORTED)
+    assert (env["VC_TASK_INDEX"], env["MA_PROC_START_CNT"], env["MA_SCHEDULE_CNT"]) == ("2", "3", "1")
