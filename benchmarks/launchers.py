@@ -107,7 +107,7 @@ def missing() -> List[str]:
 # --------------------------------------------------------------------------- the two nodes
 
 
-def start(nodes: Nodes, node: int, argv: List[str], env: Dict[str, str], log: Path) -> subprocess.Popen:
+def start_as(nodes: Nodes, node: int, argv: List[str], env: Dict[str, str], log: Path) -> subprocess.Popen:
     """argv as node NODE (ma_runtime/local/nodes.py), its output and errors to LOG."""
     return nodes.start(node, argv, env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -159,7 +159,7 @@ def ours(nodes: Nodes, scratch: Path, key: Path, ma_run: str, timeout: float) ->
     logs = [run / f"node-{node}.log" for node in (0, 1)]
     command = [ma_run, "python", "-m", "mpi4py", str(SCRIPT)]
     wall, start = time.time(), time.perf_counter()
-    procs = [start(nodes, node, command, envs[node], logs[node]) for node in (0, 1)]
+    procs = [start_as(nodes, node, command, envs[node], logs[node]) for node in (0, 1)]
     ends = timed_waits(procs, timeout)
     left = nodes.sweep()
     texts = [log.read_text(errors="replace") for log in logs]
@@ -262,9 +262,9 @@ def anchor(nodes: Nodes, scratch: Path, folders: List[Path], timeout: float) -> 
     marks.unlink(missing_ok=True)
     env = {**base_env(), "DIR": str(folders[0]), "MARKS": str(marks)}
     wall, start = time.time(), time.perf_counter()
-    script = start(nodes, 0, ["bash", str(folders[0] / "launch.sh"), "python", "-m", "mpi4py", str(SCRIPT)],
+    script = start_as(nodes, 0, ["bash", str(folders[0] / "launch.sh"), "python", "-m", "mpi4py", str(SCRIPT)],
                          env, logs[0])
-    sshd_1 = start(nodes, 1, [SSHD, "-f", str(folders[1] / "sshd_config")], base_env(), logs[1])
+    sshd_1 = start_as(nodes, 1, [SSHD, "-f", str(folders[1] / "sshd_config")], base_env(), logs[1])
     (end,) = timed_waits([script], timeout)
     sshd_1.wait()  # it daemonized long ago
     stop_sshds(folders)  # what the users' script leaves running: not a leftover of the run
