@@ -1,8 +1,7 @@
 """Multi-node launch (issue 15): ma-run's mpirun across two nodes against the same launch done by hand.
 
-Two network namespaces joined by a veth pair, each with its own host name and a hosts file naming both
-(as tests/e2e/test_multinode.py builds them; the few lines are copied here: importing the test module
-costs seconds of probing for torch and MindSpore). The job: an mpi4py allreduce, 2 ranks per node, 4 in
+Two nodes of ma_runtime/local/nodes.py (network namespaces, each with its own host name and a hosts file
+naming both), as tests/e2e/test_multinode.py uses them. The job: an mpi4py allreduce, 2 ranks per node, 4 in
 all, `python -m mpi4py tests/e2e/jobs/mpi_allreduce.py`, exiting 0; every run's output must show all four
 ranks' sums, or the sample fails. Root: OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1.
 
@@ -35,7 +34,6 @@ it made is removed at the end, whatever happens (SIGTERM and SIGINT included).
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import platform
@@ -53,7 +51,11 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness  # noqa: E402  (beside this script, not a package)
 
-HOSTS = ("job-worker-0.job", "job-worker-1.job")
+from ma_runtime.local import nodes as local_nodes  # noqa: E402
+from ma_runtime.local.nodes import Nodes  # noqa: E402
+
+JOB = "ma-bench"  # MA_VJ_NAME: the nodes' names follow it, as on the platform
+
 PORT = 36666  # MY_SSHD_PORT's default: the namespaces keep the ports apart
 SLOTS = 2
 SCRIPT = harness.PROJECT / "tests" / "e2e" / "jobs" / "mpi_allreduce.py"
@@ -81,7 +83,6 @@ done
 mark mpirun
 exec mpirun -np {NP} -hostfile "$DIR/hostfile" -mca plm_rsh_args "-p {PORT} -F $DIR/ssh_config" {FLAGS} "$@"
 """
-_made = itertools.count()
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -95,9 +96,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def missing() -> List[str]:
-    lacking = [] if os.geteuid() == 0 else ["root (network namespaces)"]
+    lacking = local_nodes.missing()
     path = f"{os.environ.get('PATH', os.defpath)}{os.pathsep}/usr/sbin"
-    lacking += [tool for tool in ("ip", "unshare", "mpirun", "ssh", "ssh-keygen") if not shutil.which(tool, path=path)]
+    lacking += [tool for tool in ("mpirun", "ssh", "ssh-keygen") if not shutil.which(tool, path=path)]
     lacking += [] if os.access(SSHD, os.X_OK) else [SSHD]
     probe = subprocess.run([sys.executable, "-c", "import mpi4py.MPI"], capture_output=True)
     return lacking + ([] if probe.returncode == 0 else [f"mpi4py in {sys.executable}"])
@@ -106,75 +107,9 @@ def missing() -> List[str]:
 # --------------------------------------------------------------------------- the two nodes
 
 
-class Nodes:
-    """Two network namespaces joined by a veth pair, and every process started in them (killed by pid)."""
-
-    def __init__(self):
-        number, pid = next(_made), os.getpid()
-        self.namespaces = [f"ma-bench-{pid}-{number}-{node}" for node in (0, 1)]
-        self.veths = [f"mb{pid}-{number % 100}{'ab'[node]}" for node in (0, 1)]  # at most 15 characters
-        self.addresses = [f"10.{252 - number % 4}.{pid % 250}.{node + 1}" for node in (0, 1)]
-        self.started: List[subprocess.Popen] = []
-
-    def create(self) -> None:
-        hosts = "127.0.0.1 localhost\n" + "".join(
-            f"{address} {host} {host.split('.')[0]}\n" for address, host in zip(self.addresses, HOSTS))
-        for ns in self.namespaces:
-            _ip("netns", "add", ns)
-            etc = Path("/etc/netns") / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text(hosts)
-        _ip("link", "add", self.veths[0], "type", "veth", "peer", "name", self.veths[1])
-        for ns, veth, address in zip(self.namespaces, self.veths, self.addresses):
-            _ip("link", "set", veth, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", veth)
-            _ip("-n", ns, "link", "set", veth, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-
-    def start(self, node: int, argv: List[str], env: Dict[str, str], log: Path) -> subprocess.Popen:
-        """argv in node NODE's namespace under its host name (a UTS namespace of its own), output to LOG."""
-        wrapped = ["ip", "netns", "exec", self.namespaces[node], "unshare", "--uts",
-                   "sh", "-c", 'hostname "$0" && exec "$@"', HOSTS[node], *argv]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(wrapped, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        self.started.append(proc)
-        return proc
-
-    def sweep(self) -> int:
-        """Kills whatever still runs in the namespaces (by pid); how many there were."""
-        found = 0
-        for _ in range(50):
-            pids = [pid for ns in self.namespaces for pid in _pids_in(ns)]
-            if not pids:
-                break
-            found = max(found, len(pids))
-            for pid in pids:
-                _kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        for proc in self.started:
-            if proc.poll() is None:
-                _kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        self.started.clear()
-        return found
-
-    def close(self) -> None:
-        self.sweep()
-        for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
-        for veth in self.veths:  # left in this namespace only when creation stopped half-way
-            subprocess.run(["ip", "link", "del", veth], capture_output=True)
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def _pids_in(ns: str) -> List[int]:
-    listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-    return [int(word) for word in listed.stdout.split() if word.isdigit()]
+def start_as(nodes: Nodes, node: int, argv: List[str], env: Dict[str, str], log: Path) -> subprocess.Popen:
+    """argv as node NODE (ma_runtime/local/nodes.py), its output and errors to LOG."""
+    return nodes.start(node, argv, env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -220,11 +155,11 @@ def base_env() -> Dict[str, str]:
 
 def ours(nodes: Nodes, scratch: Path, key: Path, ma_run: str, timeout: float) -> Dict[str, Any]:
     run = Path(tempfile.mkdtemp(prefix="ours-", dir=scratch))
-    envs = [ours_env(scratch, run, key, node) for node in (0, 1)]
+    envs = [ours_env(nodes, scratch, run, key, node) for node in (0, 1)]
     logs = [run / f"node-{node}.log" for node in (0, 1)]
     command = [ma_run, "python", "-m", "mpi4py", str(SCRIPT)]
     wall, start = time.time(), time.perf_counter()
-    procs = [nodes.start(node, command, envs[node], logs[node]) for node in (0, 1)]
+    procs = [start_as(nodes, node, command, envs[node], logs[node]) for node in (0, 1)]
     ends = timed_waits(procs, timeout)
     left = nodes.sweep()
     texts = [log.read_text(errors="replace") for log in logs]
@@ -240,7 +175,7 @@ def ours(nodes: Nodes, scratch: Path, key: Path, ma_run: str, timeout: float) ->
     return result
 
 
-def ours_env(scratch: Path, run: Path, key: Path, node: int) -> Dict[str, str]:
+def ours_env(nodes: Nodes, scratch: Path, run: Path, key: Path, node: int) -> Dict[str, str]:
     home = run / f"home-{node}"
     ssh = home / ".ssh"
     ssh.mkdir(parents=True)
@@ -248,8 +183,8 @@ def ours_env(scratch: Path, run: Path, key: Path, node: int) -> Dict[str, str]:
     shutil.copy(f"{key}.pub", ssh / "id_ed25519.pub")
     shutil.copy(f"{key}.pub", ssh / "authorized_keys")
     return {**base_env(), "MA_HOME": str(home), "MA_RUNTIME_TERMINATION_LOG": str(home / "termination-log"),
-            "MA_RUN_METHOD": "mpirun", "MY_MPI_SLOTS": str(SLOTS), "MA_NUM_HOSTS": "2", "VC_TASK_INDEX": str(node),
-            "VC_WORKER_HOSTS": ",".join(HOSTS), "MA_VJ_NAME": "ma-bench", "MA_RUNTIME_PREFLIGHT": "off",
+            **nodes.environment(node), "MA_RUN_METHOD": "mpirun", "MY_MPI_SLOTS": str(SLOTS),
+            "MA_RUNTIME_PREFLIGHT": "off",
             "MA_RUNTIME_PEER_WAIT_SECONDS": "30", "MA_RUNTIME_STOP_GRACE_SECONDS": "5"}
 
 
@@ -296,7 +231,7 @@ def last_line(text: str) -> str:
     return lines[-1][-300:] if lines else "(no output)"
 
 
-def anchor_setup(scratch: Path, key: Path) -> List[Path]:
+def anchor_setup(scratch: Path, key: Path, hosts: Sequence[str]) -> List[Path]:
     """Each node's folder: host key (made now: an image has one), authorized_keys, sshd_config; node 0 also the
     private key, ssh_config and the launch script."""
     folders = []
@@ -315,7 +250,7 @@ def anchor_setup(scratch: Path, key: Path) -> List[Path]:
     (folders[0] / "ssh_config").write_text("\n".join([
         "StrictHostKeyChecking no", "UserKnownHostsFile /dev/null", "BatchMode yes", "LogLevel ERROR",
         "ConnectTimeout 30", f"IdentityFile {folders[0] / 'id_ed25519'}", ""]))
-    (folders[0] / "launch.sh").write_text(ANCHOR_NODE_0.replace("{SSHD}", SSHD).replace("{HOSTS}", " ".join(HOSTS))
+    (folders[0] / "launch.sh").write_text(ANCHOR_NODE_0.replace("{SSHD}", SSHD).replace("{HOSTS}", " ".join(hosts))
                                           .replace("{PORT}", str(PORT)).replace("{PAUSE}", str(PROBE_PAUSE_S))
                                           .replace("{SLOTS}", str(SLOTS)).replace("{NP}", str(2 * SLOTS))
                                           .replace("{FLAGS}", MPIRUN_FLAGS))
@@ -327,9 +262,9 @@ def anchor(nodes: Nodes, scratch: Path, folders: List[Path], timeout: float) -> 
     marks.unlink(missing_ok=True)
     env = {**base_env(), "DIR": str(folders[0]), "MARKS": str(marks)}
     wall, start = time.time(), time.perf_counter()
-    script = nodes.start(0, ["bash", str(folders[0] / "launch.sh"), "python", "-m", "mpi4py", str(SCRIPT)],
+    script = start_as(nodes, 0, ["bash", str(folders[0] / "launch.sh"), "python", "-m", "mpi4py", str(SCRIPT)],
                          env, logs[0])
-    sshd_1 = nodes.start(1, [SSHD, "-f", str(folders[1] / "sshd_config")], base_env(), logs[1])
+    sshd_1 = start_as(nodes, 1, [SSHD, "-f", str(folders[1] / "sshd_config")], base_env(), logs[1])
     (end,) = timed_waits([script], timeout)
     sshd_1.wait()  # it daemonized long ago
     stop_sshds(folders)  # what the users' script leaves running: not a leftover of the run
@@ -459,11 +394,11 @@ def main(argv: Sequence[str]) -> int:
         signal.signal(signum, stop_on_signal)
     info = environment_info(args)
     scratch = Path(tempfile.mkdtemp(prefix="ma-bench-launchers-"))
-    nodes = Nodes()
+    nodes = Nodes(2, job=JOB, prefix="ma-bench")
     try:
         nodes.create()
         key = keygen(scratch / "job-key")
-        folders = anchor_setup(scratch, key)
+        folders = anchor_setup(scratch, key, nodes.hosts)
         harness.print_header(f"multi-node launch: ma-run ({args.ma_run}) against sshd + mpirun by hand; "
                              f"{info['mpirun']}, {info['ssh']}", args.rounds, args.warmup)
         tasks = {OURS: lambda: ours(nodes, scratch, key, args.ma_run, args.timeout),
@@ -471,7 +406,7 @@ def main(argv: Sequence[str]) -> int:
                  KEYGEN: lambda: keygen_once(scratch)}
         samples = harness.round_robin(tasks, args.rounds, args.warmup, progress)
     finally:
-        nodes.close()
+        nodes.close(grace=0)  # every round swept its own processes: what is left is killed at once
         shutil.rmtree(scratch, ignore_errors=True)
     results = report(samples)
     if args.json:

@@ -690,8 +690,10 @@ def effective_part_size(runtime: "MaRuntime", size: int) -> int:
     """The part size ma_runtime really uses for this object (smaller than the setting for objects that
     would leave workers idle), so that the matched rows match what it does, not what it was told."""
     try:
-        return runtime.transfer._part_size(runtime.options, size)
-    except AttributeError:  # an engine without that rule
+        from ma_runtime.storage.transfer import parts
+
+        return parts._part_size(runtime.options, size)
+    except (ImportError, AttributeError):  # an engine without that rule
         return runtime.options.part_size
 
 

@@ -526,7 +526,7 @@ class FinalSync:
     """The files a command writes right before it exits, and the ways they reach the bucket."""
 
     def __init__(self, args, scratch: Path, server: storage.Server):
-        from ma_runtime.storage.transfer import _upload_part_size
+        from ma_runtime.storage.transfer.upload import _upload_part_size
         from ma_runtime.sync.engine import SMALL_LIMIT
 
         self.args, self.scratch, self.server = args, scratch, server

@@ -50,18 +50,9 @@ from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from ma_runtime.storage import url as url_module
 from ma_runtime.storage.base import FileChanged, StorageError
-from ma_runtime.storage.transfer import (
-    Calls,
-    EitherStop,
-    Multipart,
-    TransferOptions,
-    md5_of,
-    name_digest,
-    naming_the_store,
-    new_md5,
-    object_url,
-    settle_uploads,
-)
+from ma_runtime.storage.transfer import Calls, EitherStop, Multipart, TransferOptions, name_digest, settle_uploads
+from ma_runtime.storage.transfer.hashing import md5_of, new_md5
+from ma_runtime.storage.transfer.utils import naming_the_store, object_url
 from ma_runtime.sync import writers
 from ma_runtime.sync.manifest import Manifest, Record
 from ma_runtime.sync.targets import Target

@@ -24,7 +24,7 @@ from ma_runtime.launch import peers
 from tests.conftest import MA_RUN, alive, free_port, marked, run_ma, wait_for_file
 from tests.e2e import test_multinode as multinode
 from tests.e2e.test_launchers import JOBS, TORCH_BIN, launcher_env, needs_torch, termination
-from tests.e2e.test_multinode import HOSTS, needs_namespaces, node_env
+from tests.e2e.test_multinode import needs_namespaces, node_env
 
 node_pair = multinode.node_pair  # the same fixture: two network namespaces, cleaned up whatever happens
 
@@ -73,7 +73,7 @@ FAKE_PS = textwrap.dedent("""
 def test_pytorch_gpu_on_two_nodes_all_reduces_with_the_platforms_arguments(job_env, tmp_path, node_pair):
     port = free_port()
     # 2 GPUs per node, and still one process per node: world_size is the node count.
-    envs = [node_env(job_env, tmp_path, node, TORCH_BIN, MA_RUN_METHOD="pytorch-gpu", MA_NUM_GPUS=2,
+    envs = [node_env(node_pair, job_env, tmp_path, node, TORCH_BIN, MA_RUN_METHOD="pytorch-gpu", MA_NUM_GPUS=2,
                      MA_RUNTIME_INIT_METHOD_PORT=port) for node in (0, 1)]
 
     for node in (0, 1):
@@ -84,7 +84,7 @@ def test_pytorch_gpu_on_two_nodes_all_reduces_with_the_platforms_arguments(job_e
     assert codes == [0, 0], report
     for node in (0, 1):
         stdout = node_pair.outputs[node].read_text(errors="replace")
-        assert (f"attempt 1: init_method=tcp://{HOSTS[0]}:{port} rank={node} world_size=2 unknown=['--own=1']"
+        assert (f"attempt 1: init_method=tcp://{node_pair.hosts[0]}:{port} rank={node} world_size=2 unknown=['--own=1']"
                 in stdout), report
         assert f"rank {node} of 2: all_reduce=3.0" in stdout, report
         assert "method=pytorch-gpu" in node_pair.outputs[node].with_suffix(".err").read_text(errors="replace")

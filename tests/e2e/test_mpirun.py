@@ -2,7 +2,8 @@
 runtime, trust files made by the test in each node's MA_HOME/.ssh (in one test none: the job's own key),
 mpi4py ranks (2 per node).
 
-Each node runs `ma-run` as worker-0 or worker-1 (tests/e2e/test_multinode.py's NodePair): worker-0 waits for
+Each node runs `ma-run` as worker-0 or worker-1 (tests/e2e/test_multinode.py's NodePair, over
+ma_runtime/local/nodes.py): worker-0 waits for
 both sshd, writes the hostfile and runs mpirun; worker-1 runs the peers watcher and ends once worker-0's sshd
 is gone. The namespaces isolate the ports, so the platform's default MY_SSHD_PORT (36666) is used.
 """
@@ -20,7 +21,7 @@ from ma_runtime import spec, sshd
 from tests.conftest import alive, free_port, run_ma, wait_for_file
 from tests.e2e import test_multinode as multinode
 from tests.e2e.test_launchers import JOBS, launcher_env, termination
-from tests.e2e.test_multinode import HOSTS, needs_namespaces, node_env
+from tests.e2e.test_multinode import needs_namespaces, node_env
 
 BIN = Path(sys.executable).parent  # the test venv's: python with mpi4py
 SCRIPT = str(JOBS / "mpi_allreduce.py")
@@ -71,13 +72,13 @@ def trusted(tmp_path):
     return give
 
 
-def mpi_env(job_env, tmp_path, node, **extra):
+def mpi_env(nodes, job_env, tmp_path, node, **extra):
     # Root in the test: mpirun refuses it unless both variables are set; the runtime passes them on as found.
     # The test's own variables reach the other node's ranks only by name (MA_RUNTIME_MPI_EXPORT).
     settings = dict(MA_RUN_METHOD="mpirun", MY_MPI_SLOTS=2, OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,
                     MA_RUNTIME_PEER_WAIT_SECONDS=30, OBS_SECRET_ACCESS_KEY="do-not-ship-this-3f9a",
                     MA_RUNTIME_MPI_EXPORT="FAIL_RANK,FAIL_ATTEMPT,HOLD,PIDS_DIR")
-    return node_env(job_env, tmp_path, node, BIN, **{**settings, **extra})
+    return node_env(nodes, job_env, tmp_path, node, BIN, **{**settings, **extra})
 
 
 def start_both(nodes, envs, command=COMMAND):
@@ -86,11 +87,7 @@ def start_both(nodes, envs, command=COMMAND):
 
 
 def namespace_pids(nodes):
-    found = []
-    for ns in nodes.namespaces:
-        listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-        found += [int(word) for word in listed.stdout.split() if word.isdigit() and alive(int(word))]
-    return found
+    return [pid for pid in nodes.nodes.pids() if alive(pid)]
 
 
 def describe(pids):
@@ -107,7 +104,7 @@ def describe(pids):
 @needs_namespaces
 @needs_mpi
 def test_an_allreduce_over_two_nodes_and_four_ranks(job_env, tmp_path, nodes, trusted):
-    envs = [trusted(mpi_env(job_env, tmp_path, node)) for node in (0, 1)]
+    envs = [trusted(mpi_env(nodes, job_env, tmp_path, node)) for node in (0, 1)]
 
     start_both(nodes, envs, [*COMMAND, "--own=1"])
     codes = nodes.wait(timeout=120)
@@ -118,7 +115,7 @@ def test_an_allreduce_over_two_nodes_and_four_ranks(job_env, tmp_path, nodes, tr
     for rank in range(4):  # every rank's output comes through worker-0's mpirun
         # The credential in the job's environment: worker-0's own ranks inherit mpirun's environment, but -x
         # does not carry it to the other node.
-        assert (f"rank {rank} of 4 on {HOSTS[rank // 2]}: allreduce=10 args=['--own=1'] secret={rank < 2}"
+        assert (f"rank {rank} of 4 on {nodes.hosts[rank // 2]}: allreduce=10 args=['--own=1'] secret={rank < 2}"
                 in stdout), report
     stderr = [nodes.outputs[node].with_suffix(".err").read_text(errors="replace") for node in (0, 1)]
     assert "sshd listens" in stderr[0] and "sshd listens" in stderr[1], report
@@ -135,7 +132,7 @@ def test_an_allreduce_over_two_nodes_and_four_ranks(job_env, tmp_path, nodes, tr
 @needs_namespaces
 @needs_mpi
 def test_a_rank_exiting_3_ends_both_nodes_and_worker_0_exits_3(job_env, tmp_path, nodes, trusted):
-    envs = [trusted(mpi_env(job_env, tmp_path, node, FAIL_RANK=3, HOLD=1)) for node in (0, 1)]
+    envs = [trusted(mpi_env(nodes, job_env, tmp_path, node, FAIL_RANK=3, HOLD=1)) for node in (0, 1)]
 
     start_both(nodes, envs)
     codes = nodes.wait(timeout=120)
@@ -152,7 +149,7 @@ def test_a_rank_exiting_3_ends_both_nodes_and_worker_0_exits_3(job_env, tmp_path
 def test_sigterm_to_worker_0_leaves_no_rank_orted_or_sshd_on_either_node(job_env, tmp_path, nodes, trusted):
     pids = tmp_path / "pids"
     pids.mkdir()
-    envs = [trusted(mpi_env(job_env, tmp_path, node, HOLD=1, PIDS_DIR=pids)) for node in (0, 1)]
+    envs = [trusted(mpi_env(nodes, job_env, tmp_path, node, HOLD=1, PIDS_DIR=pids)) for node in (0, 1)]
     start_both(nodes, envs)
     for rank in range(4):
         wait_for_file(pids / f"rank-{rank}", timeout=60)
@@ -174,7 +171,7 @@ def test_sigterm_to_worker_0_leaves_no_rank_orted_or_sshd_on_either_node(job_env
 @needs_mpi
 def test_without_trust_files_the_jobs_own_key_serves_and_a_restart_reuses_the_same_sshd(job_env, tmp_path, nodes):
     # No MA_HOME/.ssh on either node: worker-0 makes the job's key and serves its public half, worker-1 fetches it.
-    envs = [mpi_env(job_env, tmp_path, node, FAIL_RANK=2, FAIL_ATTEMPT=1, MA_RUNTIME_MAX_RESTARTS=1)
+    envs = [mpi_env(nodes, job_env, tmp_path, node, FAIL_RANK=2, FAIL_ATTEMPT=1, MA_RUNTIME_MAX_RESTARTS=1)
             for node in (0, 1)]
 
     start_both(nodes, envs)
@@ -185,8 +182,8 @@ def test_without_trust_files_the_jobs_own_key_serves_and_a_restart_reuses_the_sa
     stderr = [nodes.outputs[node].with_suffix(".err").read_text(errors="replace") for node in (0, 1)]
     assert "restarting command" in stderr[0] and stderr[0].count("sshd listens") == 1, report  # one sshd, 2 attempts
     assert stderr[0].count("serving the job's public key") == 1, report
-    assert "authorized worker-0's public key" in stderr[1] and "job-worker-0.job" in stderr[1], report
-    assert "rank 2 of 4 on job-worker-1.job: allreduce=10" in nodes.outputs[0].read_text(errors="replace"), report
+    assert "authorized worker-0's public key" in stderr[1] and nodes.hosts[0] in stderr[1], report
+    assert f"rank 2 of 4 on {nodes.hosts[1]}: allreduce=10" in nodes.outputs[0].read_text(errors="replace"), report
     assert not any((Path(env["MA_HOME"]) / ".ssh").exists() for env in envs)
     assert namespace_pids(nodes) == [], describe(namespace_pids(nodes))  # the key server swept too
 
@@ -198,7 +195,7 @@ def test_a_home_with_spaces_and_shell_characters_runs_across_two_nodes(job_env, 
     envs = []
     for node in (0, 1):
         home = tmp_path / HOSTILE / f"home-{node}"
-        env = mpi_env(job_env, tmp_path, node)
+        env = mpi_env(nodes, job_env, tmp_path, node)
         env.update(MA_HOME=str(home), MA_RUNTIME_TERMINATION_LOG=str(home / "termination-log"))
         envs.append(trusted(env))
 
@@ -215,7 +212,7 @@ def test_a_home_with_spaces_and_shell_characters_runs_across_two_nodes(job_env, 
     assert codes == [0, 0], report
     stdout = nodes.outputs[0].read_text(errors="replace")
     for rank in range(4):
-        assert f"rank {rank} of 4 on {HOSTS[rank // 2]}: allreduce=10" in stdout, report
+        assert f"rank {rank} of 4 on {nodes.hosts[rank // 2]}: allreduce=10" in stdout, report
     stderr = nodes.outputs[0].with_suffix(".err").read_text(errors="replace")
     assert f"-F {links[0]}/ssh_config" in stderr and sshd.is_plain(str(links[0])), report  # ssh's -F: one word
     assert not list(tmp_path.rglob("pwned")) and not (Path.cwd() / "pwned").exists()  # nothing was evaluated

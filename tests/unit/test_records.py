@@ -25,6 +25,7 @@ from ma_runtime import files, hooks, records, stagein
 from ma_runtime import spec as spec_module
 from ma_runtime.attempt import Attempt
 from ma_runtime.storage import transfer
+from ma_runtime.storage.transfer import journal as journal_module
 from ma_runtime.sync.manifest import Manifest
 from tests.recording import Log
 
@@ -73,7 +74,7 @@ def load_with(validate) -> Callable[[Path, Log], bool]:
 
 
 def load_journal(path: Path, log: Log) -> bool:
-    return bool(transfer._Journal(path, log).etags)
+    return bool(journal_module.Journal(path, log).etags)
 
 
 KINDS = [
@@ -111,13 +112,13 @@ KINDS = [
                        ("a-short-entry", ("files", "ck/a.bin"), [1, 2, 3])]),
     Kind("download", lambda tmp: tmp / "state" / "x.download.json",
          {"url": "obs://b/in/big.bin", "size": 10, "etag": "e", "part_size": 4, "done": [0, 2]},
-         load_with(transfer._valid_download), ints=[("size",), ("part_size",), ("done", 0)],
+         load_with(journal_module.valid_download), ints=[("size",), ("part_size",), ("done", 0)],
          non_negative=[("size",), ("part_size",), ("done", 0)], texts=[("url",)],
          inconsistent=[("a-part-past-the-end", ("done", 1), 3), ("part-size-zero", ("part_size",), 0)]),
     Kind("upload", lambda tmp: tmp / "state" / "x.upload.json",
          {"url": "obs://b/out/m.bin", "bucket": "b", "key": "out/m.bin", "path": "/out/m.bin", "size": 20,
           "mtime_ns": 5, "ino": 7, "part_size": 8, "upload_id": "id-1", "parts": {"1": "e1"}, "started": 1.5},
-         load_with(transfer._valid_upload), ints=[("size",), ("mtime_ns",), ("ino",), ("part_size",)],
+         load_with(journal_module.valid_upload), ints=[("size",), ("mtime_ns",), ("ino",), ("part_size",)],
          non_negative=[("size",), ("ino",), ("part_size",)],
          texts=[("url",), ("bucket",), ("key",), ("path",), ("upload_id",), ("parts", "1")],
          inconsistent=[("a-part-past-the-end", ("parts",), {"4": "e"}), ("a-part-that-is-no-number", ("parts",),
@@ -263,25 +264,25 @@ def test_a_torn_journal_line_is_no_damage_but_a_foreign_line_is(tmp_path):
     path = tmp_path / "j.journal"
     path.write_bytes(b'{"key": "a", "etag": "1"}\n{"key": "b", "et\n{"key": "c", "etag": "3"}\n{"key": "d"')
     log = Log()
-    assert transfer._Journal(path, log).etags == {"a": "1", "c": "3"}
+    assert journal_module.Journal(path, log).etags == {"a": "1", "c": "3"}
     assert log.fields("record set aside") == []
 
     for line in (b'{"key": 1, "etag": "2"}', b'{"key": "a", "etag": null}', b'["a", "1"]', b"\xff\xfe junk",
                  b'{"key": "a", "etag": "1", "more": 2}', b'{"key": "a", "etag": 1e400}'):
         path.write_bytes(b'{"key": "a", "etag": "1"}\n' + line + b'\n{"key": "c", "etag": "3"}\n')
         log = Log()
-        assert transfer._Journal(path, log).etags == {}, line
+        assert journal_module.Journal(path, log).etags == {}, line
         assert len(log.fields("record set aside", "warning")) == 1
         assert not path.exists()
 
 
 def test_a_journal_key_that_is_not_utf8_is_read_as_written(tmp_path):
     path = tmp_path / "j.journal"
-    journal = transfer._Journal(path, Log())
+    journal = journal_module.Journal(path, Log())
     journal.add("odd-\udcff-name", "e1")
     journal.close()
     log = Log()
-    assert transfer._Journal(path, log).etags == {"odd-\udcff-name": "e1"}
+    assert journal_module.Journal(path, log).etags == {"odd-\udcff-name": "e1"}
     assert log.fields("record set aside") == []
 
 

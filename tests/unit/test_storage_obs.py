@@ -18,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ma_runtime import spec
-from ma_runtime.storage import obs as obs_module
 from ma_runtime.storage.base import AccessDenied, NotFound, ObjectInfo, StorageError, TransientError
-from ma_runtime.storage.obs import ObsStore, signing_region, uses_path_style
+from ma_runtime.storage.obs import ObsStore
+from ma_runtime.storage.obs import store as obs_module
+from ma_runtime.storage.obs.client import signing_region, uses_path_style
 from tests.storage_env import ACCESS_KEY, SECRET_KEY
 
 SIGNATURES = ["v4", "v2"]

@@ -11,6 +11,8 @@ from obs import ObsClient
 
 from ma_runtime.storage import obs as obs_module
 from ma_runtime.storage import signed
+from ma_runtime.storage.base import ObjectInfo
+from ma_runtime.storage.obs import listing as obs_listing
 
 KEYS = ["plain.bin", "a b/ü+~x.bin", "dir/κλειδί (1).txt", "x%2Fy", "semi;colon=eq&amp"]
 QUERIES = [None, {"prefix": "ünï /+", "max-keys": "1000", "encoding-type": "url", "marker": "a b+c"}]
@@ -86,15 +88,15 @@ def test_listing_in_obs_namespace_with_url_encoded_keys():
             b"<NextMarker>p%2Fz+z</NextMarker>"
             b'<Contents><Key>p%2F%C3%BC+x%2By</Key><Size>12</Size><ETag>"abc"</ETag></Contents>'
             b"<Contents><Key>p%2Fdir%2F</Key><Size>0</Size></Contents></ListBucketResult>")
-    page = obs_module.parse_listing(body)
-    assert page.objects == [obs_module.ObjectInfo("p/ü x+y", 12, "abc"), obs_module.ObjectInfo("p/dir/", 0, None)]
+    page = obs_listing.parse_listing(body)
+    assert page.objects == [ObjectInfo("p/ü x+y", 12, "abc"), ObjectInfo("p/dir/", 0, None)]
     assert (page.truncated, page.next_marker) == (True, "p/z z")
 
 
 def test_listing_without_encoding_keeps_keys_as_they_are():
     body = (b"<ListBucketResult><IsTruncated>false</IsTruncated>"
             b"<Contents><Key>a+b%20c</Key><Size>1</Size></Contents></ListBucketResult>")
-    page = obs_module.parse_listing(body)
+    page = obs_listing.parse_listing(body)
     assert page.objects[0].key == "a+b%20c" and not page.truncated
 
 
@@ -102,7 +104,7 @@ def test_listing_without_encoding_keeps_keys_as_they_are():
                                   b"<ListBucketResult><Contents><Size>x</Size></Contents></ListBucketResult>"])
 def test_unreadable_listings_are_value_errors(body):
     with pytest.raises(ValueError):
-        obs_module.parse_listing(body)
+        obs_listing.parse_listing(body)
 
 
 # --- connections -------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ import pytest
 from obs import ObsClient
 
 from ma_runtime.storage import local as local_module
-from ma_runtime.storage import obs as obs_module
 from ma_runtime.storage import signed, transfer
 from ma_runtime.storage.base import (
     AccessDenied,
@@ -44,6 +43,8 @@ from ma_runtime.storage.base import (
     Upload,
 )
 from ma_runtime.storage.local import LocalStore, version_of
+from ma_runtime.storage.obs import listing as obs_listing
+from ma_runtime.storage.obs import store as obs_module
 from tests.storage_env import SECRET_KEY, refusing_endpoint
 from tests.unit.test_storage_obs import (
     _self_signed_certificate,
@@ -695,7 +696,7 @@ def test_list_uploads_follows_every_page(tmp_path):
                                   b"</ListMultipartUploadsResult>"])
 def test_unreadable_upload_listings_are_value_errors(body):
     with pytest.raises(ValueError):
-        obs_module.parse_uploads(body)
+        obs_listing.parse_uploads(body)
 
 
 # --- connections -------------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ from ma_runtime.storage.base import (
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.progress import Progress, render_bar
 from ma_runtime.storage.stores import open_store
+from ma_runtime.storage.transfer import journal as journal_module
+from ma_runtime.storage.transfer import upload as upload_module
 from tests.recording import Log, Wrapper
 
 MiB = 1 << 20
@@ -302,24 +304,24 @@ def test_a_changed_object_of_the_same_size_is_fetched_again(obs_endpoint, tmp_pa
 
 def test_the_journal_writes_in_batches_and_keeps_every_line(tmp_path):
     path = tmp_path / "j.journal"
-    journal = transfer._Journal(path, Log())
-    count = transfer.JOURNAL_BATCH + 7
+    journal = journal_module.Journal(path, Log())
+    count = journal_module.JOURNAL_BATCH + 7
     for index in range(count):
         journal.add(f"k{index}", f"etag{index}")
-    assert len(path.read_text().splitlines()) == transfer.JOURNAL_BATCH  # one batch out, the rest pending
+    assert len(path.read_text().splitlines()) == journal_module.JOURNAL_BATCH  # one batch out, the rest pending
     journal.close()
 
-    assert transfer._Journal(path, Log()).etags == {f"k{index}": f"etag{index}" for index in range(count)}
+    assert journal_module.Journal(path, Log()).etags == {f"k{index}": f"etag{index}" for index in range(count)}
 
 
 def test_a_torn_journal_line_does_not_swallow_the_next_batch(tmp_path):
     path = tmp_path / "j.journal"
     path.write_text('{"key": "a", "etag": "1"}\n{"key": "b", "et')  # a crash mid-line
-    journal = transfer._Journal(path, Log())
+    journal = journal_module.Journal(path, Log())
     journal.add("c", "3")
     journal.close()
 
-    assert transfer._Journal(path, Log()).etags == {"a": "1", "c": "3"}
+    assert journal_module.Journal(path, Log()).etags == {"a": "1", "c": "3"}
 
 
 def test_files_whose_journal_lines_were_lost_are_kept_when_their_size_is_right(tmp_path):
@@ -807,9 +809,9 @@ def test_a_changed_file_starts_a_new_upload_and_drops_the_old_one(tmp_path):
 
 
 def test_upload_part_size_respects_the_s3_limits():
-    assert transfer._upload_part_size(1 * MiB, 100 * MiB) == 5 * MiB
-    assert transfer._upload_part_size(32 * MiB, 100 * MiB) == 32 * MiB
-    assert transfer._upload_part_size(5 * MiB, 100_000 * MiB) == 10 * MiB  # 10 000 parts at most
+    assert upload_module._upload_part_size(1 * MiB, 100 * MiB) == 5 * MiB
+    assert upload_module._upload_part_size(32 * MiB, 100 * MiB) == 32 * MiB
+    assert upload_module._upload_part_size(5 * MiB, 100_000 * MiB) == 10 * MiB  # 10 000 parts at most
 
 
 # --------------------------------------------------------------------------- options, progress, imports

@@ -1,157 +1,57 @@
-"""The OBS backend: Huawei's esdk-obs-python `ObsClient` behind the ObjectStore contract.
-
-Settings (spec.py) and the decisions made from them:
-- endpoint: `MA_S3_ENDPOINT` / `storage.endpoint`; without a scheme, https:// or
-  http:// per `S3_USE_HTTPS`.
-- credentials: `OBS_ACCESS_KEY_ID`, `OBS_SECRET_ACCESS_KEY` and the optional
-  `OBS_SECURITY_TOKEN`, passed to the SDK explicitly. Its own provider chain stays
-  off (`security_provider_policy` unset), so it never queries the ECS metadata
-  service. The values appear in no message: messages name the variables, and
-  every message built here is masked for the values too. A value holding a control
-  character (a line-wrapped token) is refused when read, as bad configuration: sent
-  on, it would fail inside http.client with the value escaped in the exception's
-  text, where no masker recognises it.
-- region (signs v4 requests): `storage.region`, else `<region>` of a host shaped
-  `obs.<region>.<domain>.<tld>` (obs.cn-north-4.myhuaweicloud.com), else
-  "us-east-1", what S3-compatible servers (MinIO, moto) expect by default.
-- path style: "auto" is on for IP addresses and any host outside
-  myhuaweicloud.com / huaweicloud.com (private clouds, S3-compatible servers,
-  localhost); Huawei's public endpoints get virtual-host style (bucket.obs...).
-- signature: as configured, with the SDK's per-bucket negotiation off. Note the
-  SDK quirk: "obs" together with path style is silently signed as "v2".
-- retries: the SDK's are off (`max_retry_count=0`); the transfer engine retries
-  TransientError itself, with its own deadline.
-- timeout: the SDK has one, applied to every socket operation (connect, each
-  send, each receive), not a connect/read pair; the reads of signed.py use the same.
-  60 s, the SDK's default (a CompleteMultipartUpload of many parts can take a while
-  to answer, and a retried complete would fail with NoSuchUpload), but never more
-  than the retry budget (`MA_RUNTIME_STORAGE_RETRY_SECONDS`): a hanging endpoint
-  must not hold a run past the time it was given. At least 1 s.
-- versions: every GET of an object names the version listed (`If-Match: <ETag>`), and
-  the ETag of the answer is compared too, for servers that ignore If-Match: parts of
-  one file never come from two versions, whether or not the ETag is an MD5.
-- the requests made per file go through `signed.py`: GETs of objects and listing
-  pages, PUTs of objects and parts, DELETEs, listings of multipart uploads. The SDK
-  signs each one (`createSignedUrl`; v4 by a presigner that signs as it does), and
-  it travels over a kept-alive connection per thread, a body read into a reused
-  buffer, a file's bytes sent straight from the file (sendfile). Measured, that is
-  what makes many small files fast (see signed.py). The rest (HEAD, starting,
-  completing and abandoning a multipart upload) are SDK calls, one connection per
-  request (its default, `long_conn_mode` off).
-- writes: `put_bytes` sends Content-MD5 (the caller's MD5 of the bytes); a server
-  that finds the body does not match answers 400 BadDigest, which is CorruptTransfer,
-  not retried: the bytes and their MD5 come from one read of memory, so a retry of
-  the same request has nothing new to offer, and the caller (the sync engine) reads
-  the file again next cycle. A part's body is checked by its length (a file that
-  ended early fails the part: it changed while it was sent); no MD5 is computed for
-  parts (a core's worth of CPU for 500 MB/s, on a machine whose training owns the cores).
-- a write is done only when the server confirmed it (`base.confirmed`, the rule every
-  backend keeps), else it is a TransientError naming the object, sent again:
-  - a PUT (object or part): its answer has an ETag, and no `<Error>` document for a
-    body; for `put_bytes` the ETag is the MD5 sent when it has an MD5's form (S3's and
-    OBS's single-PUT ETags are), unless the answer says the object is encrypted with a
-    KMS or customer key (S3 then gives an ETag that is not the MD5);
-  - a completion: its CompleteMultipartUploadResult has an ETag. S3 documents that it
-    may answer 200 and then fail, with an `<Error>` document for a body; the SDK then
-    returns status 200, no errorCode, and a result whose every field (ETag, Key) is None.
-    Where the answer says nothing (a body the SDK could not parse: cut short, empty),
-    a HEAD decides: the object must have the parts' size (when this store sent them)
-    and, when the parts' ETags are MD5s, the ETag S3 and OBS make of them (the MD5 of
-    their digests, "-<count>"). A completion answered 404 NoSuchUpload (a retry after an
-    attempt whose answer was lost, which completed it) is confirmed by that ETag only;
-    otherwise the upload is gone (`UploadGone`, a NotFound: a rerun starts over).
-  The rule costs no request where the answer confirms the write; a HEAD only where
-  a completion's answer was unreadable or its upload gone.
-- refusals: a 4xx about one object that is not authentication (401, 403, a credential
-  code), throttling (429) or a missing bucket or upload (NoSuchBucket, NoSuchUpload)
-  is the store refusing that object (`refusal`: ObjectRefused; a NotFound for a key, a
-  CorruptTransfer for BadDigest, marked). A 4xx that asks to try again (400
-  RequestTimeout, 409 OperationAborted) is a TransientError.
-- a signed URL is a credential for 15 minutes: no message quotes one (signed.py).
-
-The SDK has two failure styles: connection problems raise, HTTP errors come back
-as `resp.status` / `resp.errorCode`. `ObsStore._call` is the one place both go
-through, and `_failure_of_exception` / `_failure_of_status` the one mapping.
-"""
+"""ObsStore: the ObjectStore contract over the SDK and signed.py's requests, every failure mapped by failures.py,
+every write confirmed (obs/__init__.py)."""
 
 import base64
-import calendar
 import hashlib
-import http.client
-import ipaddress
 import os
 import re
-import ssl
 import stat
 import threading
-import time
-import unicodedata
-import warnings
-from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
-from urllib.parse import unquote_plus, urlsplit
-from xml.etree import ElementTree
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from urllib.parse import urlsplit
 
 from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
 from obs.const import MIME_TYPES
 
-from ma_runtime.credentials import ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE, TOKEN_VARIABLE
-from ma_runtime.errors import ConfigError
 from ma_runtime.redact import Masker
 from ma_runtime.storage import signed
 from ma_runtime.storage.base import (
-    AccessDenied,
-    CorruptTransfer,
     FileChanged,
     NotFound,
     ObjectChanged,
     ObjectInfo,
-    ObjectRefused,
     StorageError,
     TransientError,
     Upload,
     check_part_bounds,
     confirmed,
-    refused,
 )
-
-try:  # requests (an SDK dependency) brings urllib3, whose errors are not all OSErrors
-    from urllib3.exceptions import HTTPError as Urllib3Error
-except ImportError:  # pragma: no cover - urllib3 comes with the SDK
-    Urllib3Error = OSError
-
-CREDENTIAL_SOURCE = f"{ACCESS_KEY_VARIABLE}/{SECRET_KEY_VARIABLE}"
+from ma_runtime.storage.obs import failures
+from ma_runtime.storage.obs.client import (
+    CREDENTIAL_SOURCE,
+    TIMEOUT_SECONDS,
+    TOKEN_VARIABLE,
+    endpoint_url,
+    new_client,
+    one_line,
+    read_credentials,
+    signing_region,
+    socket_timeout,
+    uses_path_style,
+)
+from ma_runtime.storage.obs.failures import UploadGone
+from ma_runtime.storage.obs.listing import Listing, UploadListing, parse_listing, parse_uploads, unquote_etag
 
 CHUNK = 1 << 20  # bytes read from a body and written to the file at a time
 PAGE_SIZE = 1000  # keys (or multipart uploads) per listing request, the server's maximum
-TIMEOUT_SECONDS = 60
-MIN_TIMEOUT_SECONDS = 1.0  # below this, a healthy endpoint's answers would time out too
-DEFAULT_REGION = "us-east-1"
-HUAWEI_DOMAINS = ("myhuaweicloud.com", "huaweicloud.com")
-RETRYABLE_STATUSES = (429,)  # and every status >= 500
-# 4xx answers that ask to try again: S3's RequestTimeout is a 400, OperationAborted a 409.
-RETRYABLE_CODES = frozenset({"RequestTimeout", "OperationAborted", "SlowDown"})
-# 4xx answers about the credentials (401, 403, 407), throttling (429), or a version read that changed (412).
-NOT_REFUSAL_STATUSES = (401, 403, 407, 412, 429)
-# 4xx codes about the credentials, the bucket or the multipart upload, not the object: no refusal of it.
-NOT_ABOUT_THE_OBJECT = frozenset({
-    "AccessDenied", "AccountProblem", "AllAccessDisabled", "AuthorizationHeaderMalformed",
-    "AuthorizationQueryParametersError", "ExpiredToken", "InvalidAccessKeyId", "InvalidSecurity", "InvalidToken",
-    "MissingSecurityHeader", "RequestTimeTooSkewed", "SignatureDoesNotMatch", "TokenRefreshRequired",
-    "InvalidBucketName", "InvalidBucketState", "NoSuchBucket", "PermanentRedirect",
-    "NoSuchUpload",
-})
+
+
 # Answer headers saying the object is encrypted with a KMS or customer key: its ETag is then not its MD5.
 KEY_ENCRYPTION_HEADERS = ("x-amz-server-side-encryption-customer-algorithm",
                           "x-obs-server-side-encryption-customer-algorithm")
 KMS_ENCRYPTION_HEADERS = ("x-amz-server-side-encryption", "x-obs-server-side-encryption")
-# OSErrors about our own files, not the network: retrying does not help.
-LOCAL_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}\Z")
 _MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]{32}-[0-9]+\Z")
-
-
-class UploadGone(NotFound):
-    """404 NoSuchUpload: the multipart upload was completed or abandoned (a NotFound: the engine starts over)."""
 
 
 class ObsStore:
@@ -297,7 +197,7 @@ class ObsStore:
                                                   "object is not the one its parts make: not completed"))
             return found
         if not resp.body.etag:
-            # What the SDK makes of an <Error> document in a 200 (see the module's docstring).
+            # What the SDK makes of an <Error> document in a 200 (see obs/__init__.py).
             raise TransientError(self._masked(f"{where}: HTTP {resp.status} with an error document in place of the "
                                               "result: not completed"))
         etag = unquote_etag(resp.body.etag)
@@ -352,7 +252,7 @@ class ObsStore:
 
     def _completed_as_found(self, bucket: str, key: str, upload_id: str, parts: List[Tuple[int, str]],
                             etag_required: bool) -> Optional[ObjectInfo]:
-        """The object, when a HEAD finds the one these parts make (see the module's docstring): the ETag made of
+        """The object, when a HEAD finds the one these parts make (see obs/__init__.py): the ETag made of
         theirs when it can be computed, and their size when this store sent them; `etag_required`: only the ETag
         will do. None otherwise (no object, another one, or nothing that tells)."""
         try:
@@ -416,7 +316,7 @@ class ObsStore:
 
     def _confirmed_put(self, response: Any, action: str, bucket: str, key: str, size: int,
                        md5_hex: Optional[str] = None) -> ObjectInfo:
-        """The object a PUT's 2xx answer confirms (see the module's docstring); TransientError otherwise."""
+        """The object a PUT's 2xx answer confirms (see obs/__init__.py); TransientError otherwise."""
         where = f"{action} {object_url(bucket, key)}"
         etag = unquote_etag(response.getheader("ETag"))
         if _encrypted_with_a_key(response.getheader):
@@ -460,47 +360,12 @@ class ObsStore:
             raise TransientError(f"{action} {object_url(bucket, prefix)}: unreadable answer ({exc})") from exc
 
     def _failure_of_exception(self, exc: BaseException, action: str, bucket: str, key: str) -> StorageError:
-        where = f"{action} {object_url(bucket, key)}"
-        if isinstance(exc, ssl.SSLCertVerificationError):
-            # Retrying does not fix a certificate; say how to turn verification off.
-            return StorageError(self._masked(f"{where}: certificate not trusted ({_one_line(exc)})"),
-                                hint="install the CA certificate, or set S3_VERIFY_SSL=0")
-        if is_network_error(exc):
-            return TransientError(self._masked(f"{where}: {type(exc).__name__}: {_one_line(exc)}"))
-        return StorageError(self._masked(f"{where}: {type(exc).__name__}: {_one_line(exc)}"))
+        return failures.of_exception(exc, f"{action} {object_url(bucket, key)}", self._masked)
 
     def _failure_of_status(self, status: int, code: Optional[str], message: Optional[str], action: str, bucket: str,
                            key: str, one_object: bool = True) -> StorageError:
-        """The error for an HTTP error answer; `one_object`: the request was about one object (not a listing), so
-        a 4xx may be its refusal (see the module's docstring)."""
-        answer = " ".join(str(part) for part in (f"HTTP {status}", code, message) if part)
-        where = f"{action} {object_url(bucket, key)}"
-        if status >= 500 or status in RETRYABLE_STATUSES or code in RETRYABLE_CODES:
-            return TransientError(self._masked(f"{where}: {answer}"))
-        refusal = one_object and is_refusal(status, code)
-        failure = self._client_failure(status, code, where, answer, bucket, refusal)
-        return refused(failure) if refusal else failure
-
-    def _client_failure(self, status: int, code: Optional[str], where: str, answer: str, bucket: str,
-                        refusal: bool) -> StorageError:
-        if status == 403:
-            return AccessDenied(
-                self._masked(f"{where}: access denied to bucket {bucket!r} ({answer}) with the credentials from "
-                             f"{self._credential_source}"),
-                hint=f"check that the credentials in {self._credential_source} may use bucket {bucket!r}",
-            )
-        if code == "NoSuchUpload":
-            return UploadGone(self._masked(f"{where}: the multipart upload is gone, completed or abandoned "
-                                           f"({answer})"))
-        if status == 404:
-            missing = f"bucket {bucket!r} does not exist" if code == "NoSuchBucket" else "not found"
-            return NotFound(self._masked(f"{where}: {missing} ({answer})"))
-        if status == 412:  # only reads send a precondition: If-Match, the ETag listed
-            return ObjectChanged(self._masked(f"{where}: the object changed after it was listed ({answer})"))
-        if code == "BadDigest":  # see the module's docstring: not retried
-            return CorruptTransfer(self._masked(f"{where}: the server received bytes whose MD5 is not the "
-                                                f"Content-MD5 sent ({answer})"))
-        return (ObjectRefused if refusal else StorageError)(self._masked(f"{where}: {answer}"))
+        return failures.of_status(status, code, message, f"{action} {object_url(bucket, key)}", bucket,
+                                  self._credential_source, self._masked, one_object)
 
     def _body_of(self, resp: Any, action: str, bucket: str, key: str) -> Any:
         # The SDK logs and swallows a parse error of a 2xx answer, leaving the body None. That is
@@ -539,7 +404,7 @@ class ObsStore:
                 count = response.readinto(buffer[:min(CHUNK, length - done)])
             except Exception as exc:  # IncompleteRead, a reset, a timeout
                 raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes "
-                                     f"({type(exc).__name__}: {_one_line(exc)})") from exc
+                                     f"({type(exc).__name__}: {one_line(exc)})") from exc
             if not count:
                 raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes")
             _pwrite_all(fd, buffer[:count], offset + done)
@@ -550,215 +415,8 @@ class ObsStore:
         return signed.without_signatures(self._masker.text(message))
 
 
-class Listing(NamedTuple):
-    """One page of a bucket listing."""
-
-    objects: List[ObjectInfo]
-    truncated: bool
-    next_marker: Optional[str]
-
-
-def parse_listing(body: bytes) -> Listing:
-    """A ListBucketResult (S3's or OBS's namespace). Keys are URL-decoded when the answer says
-    EncodingType=url, as the SDK does; raises ValueError for a document that is not one."""
-    fields, entries, decode = _listing_document(body, "ListBucketResult", "Contents")
-    objects = [ObjectInfo(decode(entry.get("Key", "")), int(entry.get("Size") or 0), unquote_etag(entry.get("ETag")))
-               for entry in entries]
-    next_marker = fields.get("NextMarker")
-    return Listing(objects, fields.get("IsTruncated", "").lower() == "true",
-                   decode(next_marker) if next_marker else None)
-
-
-def _listing_document(body: bytes, root_name: str, entry_name: str
-                      ) -> Tuple[Dict[str, str], List[Dict[str, str]], Callable[[str], str]]:
-    """A listing answer's top-level fields, its entries (each a dict of its children's texts), and how its keys
-    are decoded (URL-decoded when it says EncodingType=url, as the SDK does). ValueError for another document."""
-    try:
-        root = ElementTree.fromstring(body)
-    except ElementTree.ParseError as exc:  # a SyntaxError, not a ValueError
-        raise ValueError(f"not XML: {exc}") from None
-    if _local_name(root.tag) != root_name:
-        raise ValueError(f"expected {root_name}, got {_local_name(root.tag)}")
-    fields: Dict[str, str] = {}
-    entries: List[Dict[str, str]] = []
-    for element in root:
-        name = _local_name(element.tag)
-        if name == entry_name:
-            entries.append({_local_name(child.tag): child.text or "" for child in element})
-        else:
-            fields[name] = element.text or ""
-    decode = unquote_plus if fields.get("EncodingType", "").lower() == "url" else str
-    return fields, entries, decode
-
-
-class UploadListing(NamedTuple):
-    """One page of a listing of unfinished multipart uploads."""
-
-    uploads: List[Upload]
-    truncated: bool
-    next_key_marker: Optional[str]
-    next_upload_id_marker: Optional[str]
-
-
-def parse_uploads(body: bytes) -> UploadListing:
-    """A ListMultipartUploadsResult (S3's or OBS's namespace); keys URL-decoded when the answer says
-    EncodingType=url. Raises ValueError for a document that is not one."""
-    fields, entries, decode = _listing_document(body, "ListMultipartUploadsResult", "Upload")
-    uploads = [Upload(decode(entry.get("Key", "")), entry.get("UploadId", ""), _epoch_seconds(entry.get("Initiated")))
-               for entry in entries]
-    if any(not upload.upload_id for upload in uploads):
-        raise ValueError("an Upload without an UploadId")
-    next_key = fields.get("NextKeyMarker")
-    return UploadListing(uploads, fields.get("IsTruncated", "").lower() == "true",
-                         decode(next_key) if next_key else None, fields.get("NextUploadIdMarker") or None)
-
-
-def _epoch_seconds(text: Optional[str]) -> Optional[float]:
-    """`2024-05-01T12:00:00.000Z` (with or without the fraction) as epoch seconds; None for anything else."""
-    if not text:
-        return None
-    whole, _, fraction = text.strip().rstrip("Z").partition(".")
-    try:
-        seconds = calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S"))
-        return seconds + (float(f"0.{fraction}") if fraction.isdigit() else 0.0)
-    except ValueError:
-        return None
-
-
-def _local_name(tag: str) -> str:
-    return tag.rsplit("}", 1)[-1]  # "{namespace}Name" -> "Name"
-
-
-def endpoint_url(configured: Optional[str], use_https: bool) -> str:
-    endpoint = (configured or "").strip().rstrip("/")
-    if not endpoint:
-        raise StorageError("no OBS endpoint: set MA_S3_ENDPOINT or storage.endpoint in the job file")
-    if _has_control_character(endpoint):
-        raise ConfigError(f"MA_S3_ENDPOINT {ascii(endpoint)[:120]} contains a control character (a newline, tab "
-                          "or NUL)", hint="write the endpoint on one line", stage="stage-in")
-    if "://" not in endpoint:
-        endpoint = ("https://" if use_https else "http://") + endpoint
-    return endpoint
-
-
-def share_crc_tables() -> None:
-    """Builds the SDK's CRC-64 tables once instead of once per response.
-
-    Every answer the SDK parses gets a `ResponseWrapper` whose `util.Crc64()` builds a
-    256-entry CRC table and a combine function in pure Python: ~0.3 ms of CPU per GET,
-    a fifth of a small object's cost here (benchmarks/storage.py), for a checksum our
-    read path never consults. Each instance gets a copy of a prebuilt table instead.
-    """
-    from obs import util
-
-    if getattr(util.Crc64, "shared_by_ma_runtime", False):
-        return
-    original = util.Crc64
-    templates: Dict[int, Any] = {}
-
-    class SharedCrc64(original):
-        shared_by_ma_runtime = True
-
-        def __init__(self, init_crc: int = 0):
-            template = templates.get(init_crc)
-            if template is None:
-                template = templates[init_crc] = original(init_crc)
-            self.crc64 = template.crc64.copy()
-            self.crc64_combineFun = template.crc64_combineFun
-
-    util.Crc64 = SharedCrc64
-
-
-def socket_timeout(retry_seconds: float) -> float:
-    """The timeout of each socket operation: the SDK's 60 s, but never past the retry budget."""
-    return max(MIN_TIMEOUT_SECONDS, min(float(TIMEOUT_SECONDS), retry_seconds))
-
-
-def new_client(spec, endpoint: str, access_key: str, secret_key: str, token: Optional[str],
-               masker: Masker, timeout: float = TIMEOUT_SECONDS) -> ObsClient:
-    share_crc_tables()
-    host = urlsplit(endpoint).hostname or ""
-    try:
-        with warnings.catch_warnings():
-            # The SDK builds its SSLContext with the deprecated PROTOCOL_SSLv23 name; nothing to act on.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            client = ObsClient(
-                access_key_id=access_key,
-                secret_access_key=secret_key,
-                security_token=token,
-                server=endpoint,
-                signature=spec.storage_signature,
-                region=signing_region(spec.storage_region, host),
-                path_style=uses_path_style(spec.storage_path_style, host),
-                ssl_verify=spec.storage_verify_ssl,
-                max_retry_count=0,  # the transfer engine retries, with its own deadline
-                timeout=timeout,
-                is_signature_negotiation=False,  # the configured signature, not an unauthenticated probe's
-            )
-    except Exception as exc:  # the SDK raises bare Exception for a malformed server
-        raise StorageError(masker.text(f"OBS endpoint {endpoint}: {_one_line(exc)}")) from None
-    if spec.storage_verify_ssl:
-        _verify_certificates(client)
-    return client
-
-
-def read_credentials(environ: Mapping[str, str]) -> Tuple[str, str, Optional[str]]:
-    """(access key, secret key, token or None); raises StorageError naming the missing variables only, and
-    ConfigError naming a variable whose value holds a control character (never the value)."""
-    missing = [name for name in (ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE) if not environ.get(name)]
-    if missing:
-        raise StorageError(f"no OBS credentials: {' and '.join(missing)} not set",
-                           hint=f"set {ACCESS_KEY_VARIABLE} and {SECRET_KEY_VARIABLE} (and {TOKEN_VARIABLE} for "
-                                "temporary credentials)")
-    for name in (ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE, TOKEN_VARIABLE):
-        if _has_control_character(environ.get(name) or ""):
-            raise ConfigError(f"{name} contains a control character (a newline, carriage return, tab or NUL)",
-                              hint=f"set {name} to the credential alone, on one line", stage="stage-in")
-    return environ[ACCESS_KEY_VARIABLE], environ[SECRET_KEY_VARIABLE], environ.get(TOKEN_VARIABLE) or None
-
-
-def _has_control_character(value: str) -> bool:
-    return any(unicodedata.category(char) == "Cc" for char in value)
-
-
-def signing_region(configured: str, host: str) -> str:
-    if configured:
-        return configured
-    labels = host.lower().split(".")
-    # obs.<region>.<domain>.<tld>; fewer labels (obs.example.com) name no region.
-    if len(labels) >= 4 and labels[0] == "obs" and not _is_ip(host):
-        return labels[1]
-    return DEFAULT_REGION
-
-
-def uses_path_style(setting: str, host: str) -> bool:
-    if setting in ("on", "off"):
-        return setting == "on"
-    host = host.lower()
-    is_huawei = any(host == domain or host.endswith("." + domain) for domain in HUAWEI_DOMAINS)
-    # Virtual-host style needs DNS for bucket.<host>: Huawei's endpoints have it, IPs and others may not.
-    return _is_ip(host) or not is_huawei
-
-
-def is_network_error(exc: BaseException) -> bool:
-    """True for failures worth retrying: refused/reset connections, DNS, timeouts, broken HTTP streams."""
-    if isinstance(exc, LOCAL_FILE_ERRORS):
-        return False
-    # requests' and socket's errors, TimeoutError and ssl.SSLError are OSErrors; http.client's are not.
-    return isinstance(exc, (OSError, http.client.HTTPException, Urllib3Error))
-
-
 def object_url(bucket: str, key: str) -> str:
     return f"obs://{bucket}/{key}"
-
-
-def unquote_etag(etag: Optional[str]) -> Optional[str]:
-    return etag.strip().strip('"') if etag else None
-
-
-def is_refusal(status: int, code: Optional[str]) -> bool:
-    """True when an error answer to a request about one object refuses that object (see the module's docstring)."""
-    return 400 <= status < 500 and status not in NOT_REFUSAL_STATUSES and code not in NOT_ABOUT_THE_OBJECT
 
 
 def multipart_etag(part_etags: Iterable[str]) -> Optional[str]:
@@ -776,23 +434,6 @@ def _encrypted_with_a_key(header: Callable[[str], Optional[str]]) -> bool:
     if any(header(name) for name in KEY_ENCRYPTION_HEADERS):
         return True
     return any("kms" in (header(name) or "").lower() for name in KMS_ENCRYPTION_HEADERS)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return True
-
-
-def _verify_certificates(client: ObsClient) -> None:
-    # The SDK builds its own SSLContext with CERT_REQUIRED but loads no trust store (unless
-    # ssl_verify is a CA file path) and turns hostname checking off: give it both.
-    context = getattr(client, "context", None)
-    if context is not None:
-        context.load_default_certs()
-        context.check_hostname = True
 
 
 def _require_key(action: str, bucket: str, key: str) -> None:
@@ -815,7 +456,7 @@ def _open_regular(path: str, action: str, bucket: str, key: str) -> IO[bytes]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise StorageError(f"{action} {path} to {object_url(bucket, key)}: {_one_line(exc)}") from None
+        raise StorageError(f"{action} {path} to {object_url(bucket, key)}: {one_line(exc)}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise StorageError(f"{action} {path} to {object_url(bucket, key)}: not a regular file")
@@ -828,7 +469,3 @@ def _pwrite_all(fd: int, data: bytes, position: int) -> None:
         written = os.pwrite(fd, view, position)
         view = view[written:]
         position += written
-
-
-def _one_line(value: object) -> str:
-    return " ".join(str(value).split()) or type(value).__name__
