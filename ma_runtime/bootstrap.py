@@ -131,10 +131,8 @@ def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, 
                     stopped: threading.Event) -> None:
     """What the launcher keeps running for the whole run (mpirun's sshd), after the hooks, whose PATH applies;
     its output on the console and in the task log, like a hook's."""
-    from ma_runtime.launch.base import start_services
-
     sinks = [logs.stderr_sink(), *([context.task_log.as_console()] if context.task_log is not None else [])]
-    start_services(registry.launcher(plan_module.choose(spec)[0]), spec, environ, log, stopped, sinks)
+    registry.launcher(plan_module.choose(spec)[0]).start_services(spec, environ, log, stopped, sinks)
 
 
 class _Stopped(RuntimeFailure):
