@@ -138,7 +138,7 @@ SHARED_HOST = [(f"{VJ}-worker-0", "172.16.0.10", [0, 1, 2, 3]), (f"{VJ}-worker-1
 # --------------------------------------------------------------------------- choosing the method
 
 
-@pytest.mark.parametrize("method", ["rtf", "torchrun", "msrun", "plain"])
+@pytest.mark.parametrize("method", plan.METHODS)
 def test_ma_run_method_names_the_method(job, method):
     job_spec, environ = job(MA_RUN_METHOD=method)
     assert plan.choose(job_spec) == (method, f"MA_RUN_METHOD={method}")
@@ -193,8 +193,7 @@ def test_unknown_method_is_a_configuration_error_naming_the_accepted_values(job)
         job(MA_RUN_METHOD="horovod")
     assert caught.value.exit_code == ExitCode.BAD_CONFIGURATION == 78
     assert "MA_RUN_METHOD" in caught.value.reason and "horovod" in caught.value.reason
-    for method in ("rtf", "torchrun", "msrun", "plain"):
-        assert method in caught.value.reason
+    assert ", ".join(plan.METHODS) in caught.value.reason
 
 
 # --------------------------------------------------------------------------- plain
@@ -821,7 +820,7 @@ def test_cli_plan_unknown_method_exits_78_with_one_error_line(cli_env, tmp_path)
     assert result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if "error,exiting" in line]
     assert len(errors) == 1 and "MA_RUN_METHOD" in errors[0] and "horovod" in errors[0]
-    assert all(method in errors[0] for method in ("rtf", "torchrun", "msrun", "plain"))
+    assert ", ".join(plan.METHODS) in errors[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "launcher-ran").exists()
 
