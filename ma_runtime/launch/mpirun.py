@@ -115,7 +115,7 @@ class Mpirun(Launcher):
         check_node_rank(spec)
         # A job without the nodes' names fails before an sshd is started for nothing.
         worker_0 = node_names(spec, environ)[0]
-        from ma_runtime import sshd
+        from ma_runtime.launch import sshd
 
         sshd.start(spec, environ, log, stopped, sinks, client=spec.task_index == 0, worker_0=worker_0)
 
@@ -135,7 +135,7 @@ def node_names(spec, environ: Mapping[str, str]) -> List[str]:
 
 
 def _mpirun_plan(spec, context: Context, why: str, count: int, hosts: Sequence[str]) -> Plan:
-    from ma_runtime import sshd
+    from ma_runtime.launch import sshd
 
     launcher = find_launcher(context, "mpirun", "Open MPI (Debian/Ubuntu: apt-get install openmpi-bin)")
     hostfile = sshd.folder(spec) / HOSTFILE

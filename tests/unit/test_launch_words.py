@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import children, ranktable, spec, sshd
+from ma_runtime import children, ranktable, spec
 from ma_runtime.errors import ConfigError
-from ma_runtime.launch import registry
+from ma_runtime.launch import registry, sshd
 from tests.conftest import MA_RUNTIME, alive, free_port
 from tests.recording import Log
 from tests.unit.test_mpirun import _SBIN_PATH, login, needs_sshd, trust

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import children, spec, sshd
+from ma_runtime import children, spec
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
-from ma_runtime.launch import mpirun, plan
+from ma_runtime.launch import mpirun, plan, sshd
 from ma_runtime.launch.base import RootCause
 from ma_runtime.output import Sink
 from ma_runtime.supervise.worker import processes
@@ -592,7 +592,7 @@ def test_the_key_server_refuses_to_serve_a_private_key(tmp_path):
     key = tmp_path / "key"
     subprocess.run([_which("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
 
-    done = subprocess.run([sys.executable, "-m", "ma_runtime.sshd", "--serve-public-key", str(key), "--port",
+    done = subprocess.run([sys.executable, "-m", "ma_runtime.launch.sshd", "--serve-public-key", str(key), "--port",
                            str(free_port()), "--pid-file", str(tmp_path / "pid")],
                           capture_output=True, text=True, timeout=30)
 
