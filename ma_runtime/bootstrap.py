@@ -2,7 +2,7 @@
 
 One signal regime from the first line to the exit: the `SignalQueue` the CLI installs before anything
 else turns every signal into a number this thread reads. Before the command starts, the stages run in a
-thread of their own while this one waits on the queue (`_Context.wait_for`): a SIGTERM or SIGINT ends the
+thread of their own while this one waits on the queue (`_RunState.wait_for`): a SIGTERM or SIGINT ends the
 run at once with 128+N, whatever the stage is blocked in (a stalled socket read, the rank-table wait).
 While workers run, the supervisor reads the queue (forward once, grace, kill). Between attempts the
 device wait and the backoff are waited for the same way. Once the verdict is decided, signals are still
@@ -55,7 +55,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
     masker = Masker.from_environ()
     logs.configure(early_log_format(), masker=masker)
     log = logs.get_logger()
-    context = _Context(masker, signals)
+    context = _RunState(masker, signals)
     context.sources = (dict(flags), config_file)
     try:
         spec = spec_module.load(flags, os.environ, config_file)
@@ -75,7 +75,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
             log.info(note)
         context.start_guard()  # before any thread: the guard is a fork of this process
         first = attempt_module.first(spec, context.run_id, log)
-        prepared = context.wait_for(functools.partial(_prepare, spec, first, log, command, context),
+        prepared = context.wait_for(functools.partial(_stages_before_command, spec, first, log, command, context),
                                     "before the command started")
         return _attempts(spec, command, context, prepared, first)
     except RuntimeFailure as failure:
@@ -102,7 +102,7 @@ class _Prepared:
     rank_table: Any = None  # a ranktable.Prepared, when the job has one
 
 
-def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], context: "_Context",
+def _stages_before_command(spec: spec_module.JobSpec, first, log, command: Sequence[str], context: "_RunState",
              stopped: threading.Event) -> _Prepared:
     """Preflight, stage-in, the hooks, the rank table, the launcher's services: once per run, in the stage
     thread."""
@@ -113,13 +113,13 @@ def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], cont
     # The hooks see what the command will see (MA_LOG_DIR, VC_TASK_INDEX, the staged channels resolved); a later
     # runtime in this pod (first.number > 1) reuses what the first one installed and its hook exported.
     seen_by_hooks = {**attempt_processes.worker_env(spec, context.run_id, first.number, os.environ), **staged.env}
-    changes = hooks.prepare(spec, seen_by_hooks, command, context.task_log, log, reuse=first.number > 1,
+    changes = hooks.run_hooks(spec, seen_by_hooks, command, context.task_log, log, reuse=first.number > 1,
                             exclude=(context.guard.pid,) if context.guard is not None else ())
     rank_table = None
     if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
         from ma_runtime import ranktable
 
-        rank_table = ranktable.prepare(spec, os.environ, log)
+        rank_table = ranktable.wait_and_convert(spec, os.environ, log)
         staged.env.update(rank_table.env)
     environ = changes.apply(os.environ)
     services_env = attempt_processes.worker_env(spec, context.run_id, first.number, environ)
@@ -127,7 +127,7 @@ def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], cont
     return _Prepared(staged, environ, rank_table)
 
 
-def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, context: "_Context",
+def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, context: "_RunState",
                     stopped: threading.Event) -> None:
     """What the launcher keeps running for the whole run (mpirun's sshd), after the hooks, whose PATH applies;
     its output on the console and in the task log, like a hook's."""
@@ -145,7 +145,7 @@ class _Stopped(RuntimeFailure):
         self.exit_code = 128 + signum  # as if the command had been stopped by it
 
 
-class _Context:
+class _RunState:
     """What every stage of the run shares, and what the finishing steps need whichever stage it reached."""
 
     def __init__(self, masker: Masker, signals: SignalQueue):
@@ -332,7 +332,7 @@ def _record_quietly(spec, attempt, finished: bool = False) -> None:
                                   error=str(exc))
 
 
-def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _Context, prepared: _Prepared,
+def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: _RunState, prepared: _Prepared,
               attempt: attempt_module.Attempt) -> int:
     """The attempt loop (torch elastic's `_invoke_run`): plan, launch and supervise attempt N, get its verdict,
     then decide: done, or restart (after the devices are released and the backoff), or give up (82)."""
@@ -412,7 +412,7 @@ def _refresh(spec: spec_module.JobSpec, prepared: _Prepared, log, _stopped: thre
     if ranktable.unchanged(prepared.rank_table):
         return prepared
     log.info("the rank table changed since the last attempt: converting it again")
-    rank_table = ranktable.prepare(spec, os.environ, log)
+    rank_table = ranktable.wait_and_convert(spec, os.environ, log)
     return dataclasses.replace(prepared, staged=dataclasses.replace(
         prepared.staged, env={**prepared.staged.env, **rank_table.env}), rank_table=rank_table)
 
@@ -425,7 +425,7 @@ def _hang_config(spec: spec_module.JobSpec, log):
 
 
 def _finish(verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict], attempt,
-            context: _Context, outcome) -> int:
+            context: _RunState, outcome) -> int:
     """The job's exit code and termination message, from the last attempt's verdict and the decision; then the
     final sync, which can turn a success into 80."""
     fields = ending.job_fields(verdict, decision, history, attempt)

@@ -121,7 +121,7 @@ def template_two(pods):
 
 
 def prepared(tmp_path, job_spec, environ, pods):
-    """The rank table as `ranktable.prepare` hands it over, without waiting or writing template one."""
+    """The rank table as `ranktable.wait_and_convert` hands it over, without waiting or writing template one."""
     source = tmp_path / "config" / ranktable.FILE_NAME
     source.parent.mkdir(exist_ok=True)
     text = json.dumps(template_two(pods))
