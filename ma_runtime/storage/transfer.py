@@ -640,29 +640,6 @@ class _LargeFile:
 # --------------------------------------------------------------------------- upload
 
 
-def upload_file(store, path: Path, location: Location, options: TransferOptions, log) -> ObjectInfo:
-    """Uploads one file: a single PUT below `large_threshold`, else a resumable multipart upload."""
-    started = time.monotonic()
-    path = Path(path).absolute()
-    key = location.key + path.name if location.is_prefix else location.key
-    url = object_url(location, key)
-    try:
-        stats = path.stat()
-        calls = Calls(options, log)
-        if stats.st_size < options.large_threshold:
-            info = calls(store.put_file, location.bucket, key, str(path))
-        else:
-            info = Multipart(store, location.bucket, key, url, path, stats, options, log).run()
-    except StorageError as exc:
-        raise naming_the_store(exc, store, location) from exc
-    except OSError as exc:
-        raise StorageError(f"{path} -> {url}: {_oserror_text(exc)}") from exc
-    seconds = time.monotonic() - started
-    log.info("upload completed", url=url, path=str(path), bytes=stats.st_size, seconds=round(seconds, 3),
-             rate_mb_s=round(stats.st_size / MB / max(seconds, 1e-6), 1))
-    return info
-
-
 class Multipart:
     """A multipart upload whose record (upload id, finished parts) lets a rerun continue it.
 
