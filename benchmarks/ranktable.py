@@ -10,7 +10,7 @@ process's own, round-robin (benchmarks/_harness.py), --rounds times after --warm
 
   ma_runtime  ranktable.wait.read_table (bounded read), ranktable.convert.read_any (parse,
               validate, convert), .template_one(), ranktable.convert.write_atomically()
-              -- the path `ma-runtime run` takes (ranktable.prepare)
+              -- the path `ma-runtime run` takes (ranktable.wait_and_convert)
   json floor  read the file text, json.loads, a template-one document built by
               a plain comprehension (no validation, no pod-name order), and
               json.dump (no indent: the C encoder) to a temporary file renamed into place: the
@@ -174,7 +174,7 @@ def child(mode: str, source: str, out: str, trace: bool) -> int:
     if trace:
         tracemalloc.start()
     started = time.perf_counter()
-    # ma_runtime reads with its own bounded reader, as ranktable.prepare reads the platform's file.
+    # ma_runtime reads with its own bounded reader, as ranktable.wait_and_convert reads the platform's file.
     text = table_wait.read_table(source_path) if mode == "ma_runtime" else source_path.read_text(encoding="utf-8")
     if mode == "ma_runtime":
         table_convert.write_atomically(out_path, table_convert.read_any(text, source).template_one())

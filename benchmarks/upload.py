@@ -24,7 +24,8 @@ Scenario 1, many small files (default 2000 x 4 KiB, files on local disk), object
 Scenario 2, one large file (default 512 MiB, on local disk), MB/s (10^6 B/s):
   (b)  boto3 `upload_file`, TransferConfig defaults, and with max_concurrency=16,
   (c)  the SDK's `putFile` (one PUT) and `uploadFile` (partSize 32 MiB, taskNum 16, no checkpoint),
-  (e)  ma_runtime's engine, `transfer.upload_file` with its defaults (a resumable multipart upload),
+  (e)  ma_runtime's engine, `transfer.Multipart` with its defaults (the resumable multipart upload the sync
+       engine sends a large file with),
   (r)  the endpoint's ceiling for one stream: one raw presigned PUT, the body sent with sendfile,
   (a)  ma_runtime's primitives: `create_multipart`, parts of --part-mb (32 MiB) as parallel `upload_part`s
        (sendfile straight from the file) in --part-threads threads (default 8 and 16), `complete_multipart`,
@@ -399,11 +400,14 @@ def large_methods(server: storage.Server, scratch: Path, source: Path, md5: str,
         state = Path(tempfile.mkdtemp(prefix="state-", dir=scratch))
         try:
             options = dataclasses.replace(ma.options, state_dir=state)
-            ma.transfer.upload_file(ma.store, source, location, options, storage.QuietLog())
+            # What the sync engine does with a large file (sync/engine.py `_put_large`).
+            url = ma.transfer.object_url(location, location.key)
+            ma.transfer.Multipart(ma.store, location.bucket, location.key, url, source, source.stat(), options,
+                                  storage.QuietLog()).run()
         finally:
             shutil.rmtree(state, ignore_errors=True)
 
-    row("engine", f"(e) ma_runtime transfer.upload_file, defaults [{ma.options.workers} x "
+    row("engine", f"(e) ma_runtime transfer.Multipart, defaults [{ma.options.workers} x "
                   f"{ma.options.part_size // MiB} MiB]", engine)
     row("ceiling", "(r) CEILING one raw presigned PUT, sendfile", lambda key: raw_large_put(server, s3, source, key))
     for threads in part_threads:

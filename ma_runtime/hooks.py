@@ -127,7 +127,7 @@ def diff(before: Mapping[str, str], after: Mapping[str, str]) -> Env:
 
 
 @dataclasses.dataclass
-class _Run:
+class _HookStage:
     """Where and how the hooks stage runs."""
 
     spec: JobSpec
@@ -148,10 +148,10 @@ class _Run:
         return Path.cwd()
 
 
-def prepare(spec: JobSpec, environ: Mapping[str, str], command: Sequence[str], task_log: Optional[Sink], log,
+def run_hooks(spec: JobSpec, environ: Mapping[str, str], command: Sequence[str], task_log: Optional[Sink], log,
             reuse: bool, exclude: Sequence[int] = ()) -> Env:
     """pip, CANN, the pre-start hook: the Env every worker gets. `reuse`: a later runtime in this pod."""
-    run = _Run(spec, environ, command, task_log, log, reuse, exclude)
+    run = _HookStage(spec, environ, command, task_log, log, reuse, exclude)
     if spec.hooks_pip_install:
         _pip_install(run)
     cann = _cann(run)
@@ -165,7 +165,7 @@ def prepare(spec: JobSpec, environ: Mapping[str, str], command: Sequence[str], t
 # -- pip ------------------------------------------------------------------------------------------------------
 
 
-def _pip_install(run: _Run) -> None:
+def _pip_install(run: _HookStage) -> None:
     found = _first_file(run.code_dir, REQUIREMENT_NAMES)
     if found is None:
         return
@@ -204,7 +204,7 @@ def _index_options(spec: JobSpec, environ: Mapping[str, str]) -> List[str]:
     return ["--index-url", url, *(["--trusted-host", host] if host else [])]
 
 
-def _pip_hint(run: _Run) -> str:
+def _pip_hint(run: _HookStage) -> str:
     hint = "the lines above are pip's; fix the requirements file, or set MA_RUNTIME_PIP_INSTALL=off and install " \
            "the packages in the image"
     if run.spec.num_hosts > 10 and not run.spec.hooks_pip_url:
@@ -237,7 +237,7 @@ def job_python(environ: Mapping[str, str], command: Sequence[str]) -> Optional[s
 # -- CANN -----------------------------------------------------------------------------------------------------
 
 
-def _cann(run: _Run) -> Env:
+def _cann(run: _HookStage) -> Env:
     """CANN's set_env.sh sourced, unless off, absent, or applied already (its home variable names its toolkit)."""
     setting = run.spec.hooks_cann_set_env
     if setting == "off":
@@ -317,7 +317,7 @@ def _command_words(command: Sequence[str]) -> List[str]:
     return words
 
 
-def _pre_start(run: _Run, environ: Dict[str, str]) -> Env:
+def _pre_start(run: _HookStage, environ: Dict[str, str]) -> Env:
     if run.spec.hooks_pre_start == "off":
         return Env()
     hook, ignored = find_hook(run.command, run.code_dir)
@@ -378,7 +378,7 @@ def _valid_pre_start(document) -> dict:
     return document
 
 
-def _python_hook(run: _Run, hook: Path, environ: Mapping[str, str]) -> "_Result":
+def _python_hook(run: _HookStage, hook: Path, environ: Mapping[str, str]) -> "_Result":
     python = job_python(environ, run.command)
     if python is None:
         return _Result(127, None, [], why="no Python interpreter for the job on PATH to run it with")
@@ -386,7 +386,7 @@ def _python_hook(run: _Run, hook: Path, environ: Mapping[str, str]) -> "_Result"
                            environ)
 
 
-def _adopt_leftovers(run: _Run) -> List[int]:
+def _adopt_leftovers(run: _HookStage) -> List[int]:
     """What the hook left running (a daemon it started) lives on as the job's service."""
     left = children.adopt_services(run.exclude)
     if left:
@@ -407,7 +407,7 @@ class _Result:
     hint: str = ""  # what to do, when it is not the step's usual (E2BIG)
 
 
-def _source(run: _Run, script: Path, environ: Mapping[str, str], name: str, step: str) -> _Result:
+def _source(run: _HookStage, script: Path, environ: Mapping[str, str], name: str, step: str) -> _Result:
     """`script` sourced by bash in the code directory; the environment's difference."""
     bash = shutil.which("bash", path=environ.get("PATH", os.defpath)) or "/bin/sh"
 
@@ -461,7 +461,7 @@ def _read_raw_dump(path: Path) -> Optional[Dict[str, str]]:
     return {os.fsdecode(name): os.fsdecode(value) for name, value in pairs}
 
 
-def _with_env_file(run: _Run, start, environ: Mapping[str, str]) -> _Result:
+def _with_env_file(run: _HookStage, start, environ: Mapping[str, str]) -> _Result:
     """`start(env)` with MA_HOOK_ENV_FILE naming a fresh file; its NAME=value lines are applied on top."""
     with _scratch("env", create=True) as env_file:
         result = start({**environ, ENV_FILE_VAR: str(env_file)})
@@ -476,7 +476,7 @@ def _with_env_file(run: _Run, start, environ: Mapping[str, str]) -> _Result:
     return _fits_exec(result, environ)
 
 
-def _supervised(run: _Run, argv: Sequence[str], env: Mapping[str, str], name: str, step: str) -> _Result:
+def _supervised(run: _HookStage, argv: Sequence[str], env: Mapping[str, str], name: str, step: str) -> _Result:
     """Runs like a worker, output prefixed on the console and in the task log, within the hook timeout."""
     from ma_runtime import logs
     from ma_runtime.supervise.worker import spawn

@@ -1,40 +1,23 @@
-"""What every launcher shares: the plan's shape, the context it is built from, and the lookups they all make.
+"""What every launcher shares: its interface (`Launcher`), the plan's shape, the context it is built from, and the
+lookups they all make.
 
 A launcher is one module beside this one (plain, rtf, torchrun, msrun, mpirun, pytorch_gpu, tensorflow_gpu), listed
-in registry.METHODS, with the same interface:
-
-- `NAME`: its MA_RUN_METHOD value;
-- `TAKES_NPROC_PER_NODE`: whether its processes per node come from
-  MA_RUNTIME_NPROC_PER_NODE (else max(MA_NUM_GPUS, 1)), so that a CPU run can
-  ask for a count (the preflight warning's advice depends on it);
-- `OWN_CODE_AFTER_STOP`: whether its exit code after a requested stop is the
-  command's own (a handler that saved and exited 7); False where the launcher
-  replaces it (torchrun exits 1 from its signal handler, msrun 0 from its
-  SIGINT handler), and the job's code after a stop is then 128+N;
-- `build(spec, context, why) -> Plan`: the processes to start, pure;
-- `forwards_to(launcher_pid, table) -> Set[int]`: the pids the launcher process
-  will itself signal when it receives SIGTERM or SIGINT, so that the supervisor
-  signals each process once; `table` is {pid: process} with `.ppid`, `.pgid`,
-  `.state`, `.start` (supervise.worker.Proc; launch does not import supervise);
-- `root_cause(lines) -> Optional[RootCause]`: the rank that failed first, from
-  the launcher's output tail, where the launcher's own exit code hides it;
-- `rank_logs(plan) -> Optional[str]`: the folder its ranks write
-  `worker_<rank>.log` to, where they write nowhere the runtime already reads;
-- optionally `start_services(spec, environ, log, stopped, sinks) -> None`: what
-  it keeps running for the whole run, apart from the command (mpirun's sshd),
-  started once after the hooks (`start_services` below calls it).
+in registry.METHODS, whose `LAUNCHER` is the one instance of its subclass of `Launcher`. The class lists every trait
+the runtime asks of a launcher, each with the default of a launch where the runtime starts the command's processes
+itself (plain, rtf): a launcher overrides only what differs, and `build`, which none can do without.
 
 The attempt number lives in `Context`, not in the spec: the run builds the plan
 again for each attempt, and `MA_PROC_START_CNT` and per-attempt log folders come
 from it.
 """
 
+import abc
 import dataclasses
 import os
 import re
 import shlex
 import shutil
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 from ma_runtime.errors import ConfigError
 
@@ -42,6 +25,8 @@ from ma_runtime.errors import ConfigError
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?\Z")
 # A count, or what torchrun takes instead and shows as given: `auto`, `cpu`, `gpu`, a node range `1:4`.
 Size = Union[int, str]
+# A process that runs no signal handler until it is continued: stopped by a signal, or by a tracer.
+_STOPPED = ("T", "t")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,23 +164,93 @@ def python_folder(context: Context) -> Optional[str]:
     return os.path.dirname(os.path.abspath(found)) if found else None
 
 
-# What a launcher without the matching trait says (plain and rtf: the runtime's own processes).
+# --------------------------------------------------------------------------- the interface
 
 
-def forwards_nothing(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
-    return set()
+class Helper(NamedTuple):
+    """A process a launcher starts beside its ranks that runs the user's code too, told apart by its environment."""
+
+    variable: str
+    value: str
+    label: str  # what supervise/ranks.py calls it ("msrun's scheduler")
 
 
-def no_root_cause(lines: Sequence[str]) -> Optional[RootCause]:
-    return None
+@dataclasses.dataclass(frozen=True)
+class Machinery:
+    """How supervise/ranks.py tells a launcher's own processes from the job's ranks, wherever they run in a worker's
+    tree (a plain `bash run.sh` may start torchrun itself): the hang monitor judges the ranks alone, since a launcher
+    keeps working while its ranks are stuck."""
+
+    scripts: FrozenSet[str] = frozenset()  # its programs' file names, run as they are or by `python <path>`
+    modules: FrozenSet[str] = frozenset()  # the modules `python -m` runs it as
+    # The names (/proc/<pid>/comm) its processes take: torch names its agent's main thread pt_elastic, whatever
+    # started it (accelerate launch); MPI's launchers and daemons by their own names.
+    processes: FrozenSet[str] = frozenset()
+    # Those of `processes` that start ranks for a launcher on another node: below one is the job, even in the
+    # tree of a service (the runtime's sshd, through which mpirun's orted comes).
+    daemons: FrozenSet[str] = frozenset()
+    # What `processes` start to reach the other nodes (ssh, rsh): machinery too.
+    remote_shells: FrozenSet[str] = frozenset()
+    # A child of it (found by `scripts` or `modules`) with this in its environment is no rank.
+    helper: Optional[Helper] = None
 
 
-def no_rank_logs(plan: Plan) -> Optional[str]:
-    return None
+# The variables a rank's environment names its rank by, asked in this order: torchrun sets RANK, Open MPI
+# OMPI_COMM_WORLD_RANK, PMIx and PMI launchers theirs.
+RANK_VARIABLES = ("RANK", "RANK_ID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
-def start_services(launcher, spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[Any]) -> None:
-    """The launcher's services (the optional trait): most launchers have none."""
-    start = getattr(launcher, "start_services", None)
-    if start is not None:
-        start(spec, environ, log, stopped, sinks)
+class Launcher(abc.ABC):
+    """What the runtime asks of a launcher (one subclass per launcher module; its defaults are plain's)."""
+
+    NAME: str  # its MA_RUN_METHOD value
+    # Whether its processes per node come from MA_RUNTIME_NPROC_PER_NODE (else max(MA_NUM_GPUS, 1)), so that a CPU
+    # run can ask for a count (the preflight warning's advice depends on it). False: it starts a count of its own,
+    # and a setting that asks for another is a configuration error.
+    TAKES_NPROC_PER_NODE = False
+    # Whether its exit code after a requested stop is the command's own (a handler that saved and exited 7); False
+    # where the launcher replaces it (torchrun exits 1 from its signal handler, msrun 0 from its SIGINT handler),
+    # and the job's code after a stop is then 128+N.
+    OWN_CODE_AFTER_STOP = True
+    # The names of the workers its plans hold (WorkerPlan.name), which supervise/ranks.py and supervise/stacks.py
+    # know a worker's tree by: "command" for a launch that runs the command as given.
+    WORKERS = re.compile(r"command\Z")
+    # The variables its ranks' environment names their rank by, asked in this order (supervise/ranks.py labels
+    # each rank by it); its ranks' launcher may set others too (a scheduler may export RANK to every process).
+    RANK_VARIABLES: Tuple[str, ...] = RANK_VARIABLES
+    MACHINERY = Machinery()  # nothing between the supervisor and the command
+
+    @abc.abstractmethod
+    def build(self, spec, context: Context, why: str) -> Plan:
+        """The processes to start for one attempt: pure, but for `context`'s lookups."""
+
+    def forwards_to(self, launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+        """The pids the launcher process will itself signal when it receives SIGTERM or SIGINT, so that the
+        supervisor signals each process once; `table` is {pid: process} with `.ppid`, `.pgid`, `.state`, `.start`
+        (supervise.worker.Proc; launch does not import supervise). By default none: the supervisor's own signal is
+        the stop."""
+        return set()
+
+    def root_cause(self, lines: Sequence[str]) -> Optional[RootCause]:
+        """The rank that failed first, read from the launcher's output tail where its own exit code hides it."""
+        return None
+
+    def rank_logs(self, plan: Plan) -> Optional[str]:
+        """The folder its ranks write `worker_<rank>.log` to, where they write nowhere the runtime already reads
+        (the runtime follows those files onto the console)."""
+        return None
+
+    def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[Any]) -> None:
+        """What it keeps running for the whole run, apart from the command (mpirun's sshd): started once, after the
+        hooks, in the stage thread (`stopped` is set on a stop); its output to `sinks`. Most launchers have none."""
+        return None
+
+
+def childrens_groups(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+    """Every process in a group led by one of the launcher's living children (its ranks), while the launcher is
+    alive and able to run its signal handler: whom torchrun and mpirun signal on a stop (launch/torchrun.py)."""
+    launcher = table.get(launcher_pid)
+    if launcher is None or launcher.state in _STOPPED:
+        return set()
+    ranks = {pid for pid, proc in table.items() if proc.ppid == launcher_pid}
+    return {pid for pid, proc in table.items() if proc.pgid in ranks}

@@ -24,15 +24,18 @@ of an MPI_Abort), and its summary names the rank.
 """
 
 import re
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ma_runtime.errors import RuntimeFailure
 from ma_runtime.launch.base import (
     Context,
+    Launcher,
+    Machinery,
     Plan,
     RootCause,
     WorkerPlan,
     check_node_rank,
+    childrens_groups,
     common_env,
     find_launcher,
     master_host,
@@ -40,11 +43,9 @@ from ma_runtime.launch.base import (
     split_extra,
     worker_hosts,
 )
-from ma_runtime.launch.torchrun import forwards_to  # noqa: F401 - the same rule: see the module docstring
 from ma_runtime.redact import is_secret_name
 from ma_runtime.setting import INTERFACES, Setting, env_names, integer, matching, port, text
 
-NAME = "mpirun"
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
 SETTINGS = (
     Setting("sshd_port", "MY_SSHD_PORT", port, "the port of the sshd every node of a multi-node mpirun job "
@@ -62,10 +63,6 @@ SETTINGS = (
     Setting("mpi_export", "MA_RUNTIME_MPI_EXPORT", env_names, "more variables mpirun passes to every rank "
             "by name (-x NAME); the only way to pass one named like a secret", (), cli=False, owner=__name__),
 )
-# Its processes per node: MY_MPI_SLOTS, else MA_RUNTIME_NPROC_PER_NODE, else MA_NUM_GPUS (at least 1).
-TAKES_NPROC_PER_NODE = True
-# After a stop mpirun exits 1, whatever its ranks' handlers did.
-OWN_CODE_AFTER_STOP = False
 WATCHER = "watcher"  # the plan's worker on the nodes other than worker-0
 HOSTFILE = "hostfile"
 
@@ -84,21 +81,67 @@ _SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on 
 _ABORTED = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+\s+with errorcode (-?\d+)")
 
 
+class Mpirun(Launcher):
+    NAME = "mpirun"
+    # Its processes per node: MY_MPI_SLOTS, else MA_RUNTIME_NPROC_PER_NODE, else MA_NUM_GPUS (at least 1).
+    TAKES_NPROC_PER_NODE = True
+    # After a stop mpirun exits 1, whatever its ranks' handlers did.
+    OWN_CODE_AFTER_STOP = False
+    WORKERS = re.compile(rf"(mpirun|{WATCHER})\Z")
+    # MPI's launchers and daemons by name (Open MPI's, PRRTE's, MPICH Hydra's: a `bash run.sh` may start any), and
+    # the ssh or rsh they start to reach the other nodes; on those nodes the ranks are orted's children.
+    MACHINERY = Machinery(
+        processes=frozenset({"mpirun", "mpiexec", "orterun", "orted", "prterun", "prted", "prte", "hydra_pmi_proxy",
+                             "mpiexec.hydra", "hydra_bstrap_proxy"}),
+        daemons=frozenset({"orted", "prted", "hydra_pmi_proxy"}),
+        remote_shells=frozenset({"ssh", "rsh"}))
+
+    def build(self, spec, context: Context, why: str) -> Plan:
+        count = spec.mpi_slots or per_node(spec)
+        if spec.num_hosts <= 1:
+            return _mpirun_plan(spec, context, why, count, ["localhost"])
+        check_node_rank(spec)
+        nodes = node_names(spec, context.environ)
+        if spec.task_index != 0:
+            return _watcher_plan(spec, context, why, count, nodes[0])
+        addresses = context.reach([(node, spec.sshd_port) for node in nodes])
+        if len(addresses) != len(nodes):
+            raise RuntimeFailure("stopped while waiting for the other nodes", stage="launch")
+        return _mpirun_plan(spec, context, why, count, addresses)
+
+    def forwards_to(self, launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+        """The rule of torchrun's (see the module docstring)."""
+        return childrens_groups(launcher_pid, table)
+
+    def root_cause(self, lines: Sequence[str]) -> Optional[RootCause]:
+        """The rank mpirun's last summary names (a non-zero exit, a death by signal, an MPI_Abort), or None."""
+        text = "\n".join(lines)
+        found: List[Tuple[int, RootCause]] = []
+        for pattern, sign in ((_EXITED, 1), (_SIGNALLED, -1), (_ABORTED, 1)):
+            found += [(match.start(), RootCause(int(match.group(1)), sign * int(match.group(2))))
+                      for match in pattern.finditer(text)]
+        return max(found)[1] if found else None
+
+    # rank_logs: none; its ranks' output comes through mpirun's own (remote ones too), which the runtime pipes.
+
+    def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks) -> None:
+        """The node's sshd, on a multi-node job: worker-0's ssh reaches the others through theirs, and the others
+        watch worker-0's to learn when its run ended. Without mounted trust files, worker-0 also serves the job's
+        public key, and the others fetch it from worker-0 first (sshd.py)."""
+        if spec.num_hosts <= 1:
+            return
+        check_node_rank(spec)
+        # A job without the nodes' names fails before an sshd is started for nothing.
+        worker_0 = node_names(spec, environ)[0]
+        from ma_runtime.launch import sshd
+
+        sshd.start(spec, environ, log, stopped, sinks, client=spec.task_index == 0, worker_0=worker_0)
+
+
+LAUNCHER = Mpirun()
+
+
 # --------------------------------------------------------------------------- the plan
-
-
-def build(spec, context: Context, why: str) -> Plan:
-    count = spec.mpi_slots or per_node(spec)
-    if spec.num_hosts <= 1:
-        return _mpirun_plan(spec, context, why, count, ["localhost"])
-    check_node_rank(spec)
-    nodes = node_names(spec, context.environ)
-    if spec.task_index != 0:
-        return _watcher_plan(spec, context, why, count, nodes[0])
-    addresses = context.reach([(node, spec.sshd_port) for node in nodes])
-    if len(addresses) != len(nodes):
-        raise RuntimeFailure("stopped while waiting for the other nodes", stage="launch")
-    return _mpirun_plan(spec, context, why, count, addresses)
 
 
 def node_names(spec, environ: Mapping[str, str]) -> List[str]:
@@ -110,7 +153,7 @@ def node_names(spec, environ: Mapping[str, str]) -> List[str]:
 
 
 def _mpirun_plan(spec, context: Context, why: str, count: int, hosts: Sequence[str]) -> Plan:
-    from ma_runtime import sshd
+    from ma_runtime.launch import sshd
 
     launcher = find_launcher(context, "mpirun", "Open MPI (Debian/Ubuntu: apt-get install openmpi-bin)")
     hostfile = sshd.folder(spec) / HOSTFILE
@@ -124,9 +167,10 @@ def _mpirun_plan(spec, context: Context, why: str, count: int, hosts: Sequence[s
         argv += ["-mca", "plm_rsh_no_tree_spawn", "true"]
     argv += [*exports(spec, context), *split_extra("MA_RUNTIME_EXTRA_MPIRUN_PARAMS", spec.extra_mpirun_params),
              *context.argv]
-    worker = WorkerPlan(NAME, tuple(argv), common_env(spec, context.attempt), logs={"task": str(spec.task_log_path)},
+    worker = WorkerPlan(Mpirun.NAME, tuple(argv), common_env(spec, context.attempt),
+                        logs={"task": str(spec.task_log_path)},
                         files={str(hostfile): "".join(f"{host} slots={count}\n" for host in hosts)})
-    return Plan(NAME, why, (worker,), len(hosts), count)
+    return Plan(Mpirun.NAME, why, (worker,), len(hosts), count)
 
 
 def _watcher_plan(spec, context: Context, why: str, count: int, master: str) -> Plan:
@@ -135,7 +179,7 @@ def _watcher_plan(spec, context: Context, why: str, count: int, master: str) -> 
     argv = peers.watcher_argv([(master, spec.sshd_port)], spec.peer_wait_seconds)
     worker = WorkerPlan(WATCHER, tuple(argv), common_env(spec, context.attempt),
                         logs={"task": str(spec.task_log_path)})
-    return Plan(NAME, why, (worker,), spec.num_hosts, count)
+    return Plan(Mpirun.NAME, why, (worker,), spec.num_hosts, count)
 
 
 def exports(spec, context: Context) -> List[str]:
@@ -164,37 +208,3 @@ def _passes(name: str, exported: Sequence[str]) -> bool:
     if not _NAME.match(name) or is_secret_name(name) or name in _THIS_NODE or name.startswith(_THIS_NODE_FAMILY):
         return False
     return name in _NAMES or name.startswith(_FAMILIES) or name in exported
-
-
-# --------------------------------------------------------------------------- the service
-
-
-def start_services(spec, environ: Mapping[str, str], log, stopped, sinks) -> None:
-    """The node's sshd, on a multi-node job: worker-0's ssh reaches the others through theirs, and the others
-    watch worker-0's to learn when its run ended. Without mounted trust files, worker-0 also serves the job's
-    public key, and the others fetch it from worker-0 first (sshd.py)."""
-    if spec.num_hosts <= 1:
-        return
-    check_node_rank(spec)
-    # A job without the nodes' names fails before an sshd is started for nothing.
-    worker_0 = node_names(spec, environ)[0]
-    from ma_runtime import sshd
-
-    sshd.start(spec, environ, log, stopped, sinks, client=spec.task_index == 0, worker_0=worker_0)
-
-
-# --------------------------------------------------------------------------- failing
-
-
-def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
-    """The rank mpirun's last summary names (a non-zero exit, a death by signal, an MPI_Abort), or None."""
-    text = "\n".join(lines)
-    found: List[Tuple[int, RootCause]] = []
-    for pattern, sign in ((_EXITED, 1), (_SIGNALLED, -1), (_ABORTED, 1)):
-        found += [(match.start(), RootCause(int(match.group(1)), sign * int(match.group(2))))
-                  for match in pattern.finditer(text)]
-    return max(found)[1] if found else None
-
-
-def rank_logs(plan: Plan) -> Optional[str]:
-    return None  # its ranks' output comes through mpirun's own (remote ones too), which the runtime pipes

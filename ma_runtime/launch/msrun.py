@@ -15,27 +15,29 @@ from `rank_logs`. Each attempt writes to its own folder, `msrun/attempt-<N>`.
 """
 
 import os
+import re
 import shlex
 from typing import Optional
 
 from ma_runtime.errors import ConfigError
 from ma_runtime.launch.base import (
     PYTHON,
+    RANK_VARIABLES,
     Context,
+    Helper,
+    Launcher,
+    Machinery,
     Plan,
     WorkerPlan,
     check_node_rank,
     common_env,
     find_launcher,
-    forwards_nothing,
     master_host,
-    no_root_cause,
     per_node,
     python_folder,
 )
 from ma_runtime.setting import WEEK_SECONDS, Setting, integer, port, switch
 
-NAME = "msrun"
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
 SETTINGS = (
     Setting("ms_ranktable_enable", "MS_RANKTABLE_ENABLE", switch, "give msrun --rank_table_file", False, cli=False,
@@ -45,13 +47,36 @@ SETTINGS = (
     Setting("msrun_master_port", "MA_RUNTIME_MSRUN_MASTER_PORT", port, "msrun's --master_port (its own "
             "default)", 8118, cli=False, owner=__name__),
 )
-TAKES_NPROC_PER_NODE = True
-# After a stop: msrun's SIGINT handler kills the ranks and exits 0; a SIGTERM kills msrun itself.
-OWN_CODE_AFTER_STOP = False
 _RANK_LOGS = "msrun"  # the worker's logs key for the folder of its ranks' logs
 
 
-def build(spec, context: Context, why: str) -> Plan:
+class Msrun(Launcher):
+    NAME = "msrun"
+    TAKES_NPROC_PER_NODE = True
+    # After a stop: msrun's SIGINT handler kills the ranks and exits 0; a SIGTERM kills msrun itself.
+    OWN_CODE_AFTER_STOP = False
+    WORKERS = re.compile(r"msrun\Z")
+    # Its ranks get RANK_ID; RANK may be a pod-wide value the scheduler exports to every process.
+    RANK_VARIABLES = ("RANK_ID", *(name for name in RANK_VARIABLES if name != "RANK_ID"))
+    # msrun and the scheduler it starts, which runs the user's script with MS_ROLE=MS_SCHED in its environment.
+    MACHINERY = Machinery(scripts=frozenset({"msrun"}), modules=frozenset({"mindspore.parallel.cluster.run"}),
+                          helper=Helper("MS_ROLE", "MS_SCHED", "msrun's scheduler"))
+
+    # forwards_to, root_cause: none (see the module docstring: SIGTERM reaches no rank, SIGINT only SIGKILLs them;
+    # no summary names a rank).
+
+    def build(self, spec, context: Context, why: str) -> Plan:
+        return _plan(self.NAME, spec, context, why)
+
+    def rank_logs(self, plan: Plan) -> Optional[str]:
+        """The folder the ranks write `worker_<rank>.log` to."""
+        return plan.workers[0].logs.get(_RANK_LOGS)
+
+
+LAUNCHER = Msrun()
+
+
+def _plan(name: str, spec, context: Context, why: str) -> Plan:
     launcher = find_launcher(context, "msrun", "mindspore (pip install mindspore)")
     argv = list(context.argv)
     if not (len(argv) >= 2 and PYTHON.match(os.path.basename(argv[0])) and argv[1].endswith(".py")):
@@ -76,8 +101,8 @@ def build(spec, context: Context, why: str) -> Plan:
         command.append(f"--rank_table_file={context.rank_table.path}")
     command += argv[1:]
     env = {**common_env(spec, context.attempt), "PATH": _python_first(context)}
-    worker = WorkerPlan(NAME, tuple(command), env, logs={"task": str(spec.task_log_path), _RANK_LOGS: str(log_dir)})
-    return Plan(NAME, why, (worker,), spec.num_hosts, count)
+    worker = WorkerPlan(name, tuple(command), env, logs={"task": str(spec.task_log_path), _RANK_LOGS: str(log_dir)})
+    return Plan(name, why, (worker,), spec.num_hosts, count)
 
 
 def _python_first(context: Context) -> str:
@@ -87,12 +112,3 @@ def _python_first(context: Context) -> str:
     if not folder:
         raise ConfigError(f"{context.argv[0]} is not on PATH", hint="name the job's interpreter by its full path")
     return os.pathsep.join([folder, *(part for part in path.split(os.pathsep) if part and part != folder)])
-
-
-# See the module docstring: SIGTERM reaches no rank, SIGINT only SIGKILLs them; no summary names a rank.
-forwards_to, root_cause = forwards_nothing, no_root_cause
-
-
-def rank_logs(plan: Plan) -> Optional[str]:
-    """The folder the ranks write `worker_<rank>.log` to."""
-    return plan.workers[0].logs.get(_RANK_LOGS)

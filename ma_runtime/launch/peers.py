@@ -140,7 +140,7 @@ def _endpoint(text: str) -> Endpoint:
     return host, int(port)
 
 
-class _Watch:
+class _PeerStates:
     """The watcher's state: which endpoints have answered, and each one's failures in a row since."""
 
     def __init__(self, endpoints: Sequence[Endpoint], gone_seconds: float):
@@ -202,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         child = subprocess.Popen(command) if command else None
     except OSError as exc:  # one line, as the runtime's own spawn says it, never a traceback
         return _not_started(command, exc)
-    code = _watch(_Watch(args.until_gone, args.gone_seconds), args.appear_seconds, child, stop)
+    code = _watch(_PeerStates(args.until_gone, args.gone_seconds), args.appear_seconds, child, stop)
     return code
 
 
@@ -214,7 +214,7 @@ def _not_started(command: Sequence[str], exc: OSError) -> int:
     return ExitCode.COMMAND_NOT_FOUND if exc.errno == errno.ENOENT else ExitCode.COMMAND_NOT_EXECUTABLE
 
 
-def _watch(watch: _Watch, appear_seconds: float, child: Optional[subprocess.Popen], stop: threading.Event) -> int:
+def _watch(watch: _PeerStates, appear_seconds: float, child: Optional[subprocess.Popen], stop: threading.Event) -> int:
     deadline = time.monotonic() + appear_seconds
     while True:
         if child is not None and child.poll() is not None:

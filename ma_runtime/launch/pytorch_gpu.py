@@ -21,35 +21,38 @@ from typing import List
 from ma_runtime.launch.args import append_words
 from ma_runtime.launch.base import (
     Context,
+    Launcher,
     Plan,
     WorkerPlan,
     check_node_rank,
     check_once_per_node,
     common_env,
-    forwards_nothing,
     master_host,
-    no_rank_logs,
-    no_root_cause,
 )
 from ma_runtime.setting import Setting, port
 
-NAME = "pytorch-gpu"
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
 SETTINGS = (
     Setting("init_method_port", "MA_RUNTIME_INIT_METHOD_PORT", port, "the port of pytorch-gpu's --init_method "
             "(PyTorch's usual MASTER_PORT)", 29500, cli=False, owner=__name__),
 )
-TAKES_NPROC_PER_NODE = False  # the boot file's own mp.spawn decides; a setting that asks for more is an error
-OWN_CODE_AFTER_STOP = True  # after a stop: the command's own
 LOCAL_HOST = "127.0.0.1"
 
 
-def build(spec, context: Context, why: str) -> Plan:
-    check_once_per_node(spec, why, "the boot file starts its own processes (mp.spawn, one per GPU)")
-    argv = append_words(context.argv, preset_arguments(spec, context))
-    worker = WorkerPlan("command", tuple(argv), common_env(spec, context.attempt),
-                        logs={"task": str(spec.task_log_path)})
-    return Plan(NAME, why, (worker,), spec.num_hosts, 1)
+class PytorchGpu(Launcher):
+    NAME = "pytorch-gpu"
+    TAKES_NPROC_PER_NODE = False  # the boot file's own mp.spawn decides; a setting that asks for more is an error
+    OWN_CODE_AFTER_STOP = True  # after a stop: the command's own
+
+    def build(self, spec, context: Context, why: str) -> Plan:
+        check_once_per_node(spec, why, "the boot file starts its own processes (mp.spawn, one per GPU)")
+        argv = append_words(context.argv, preset_arguments(spec, context))
+        worker = WorkerPlan("command", tuple(argv), common_env(spec, context.attempt),
+                            logs={"task": str(spec.task_log_path)})
+        return Plan(self.NAME, why, (worker,), spec.num_hosts, 1)
+
+
+LAUNCHER = PytorchGpu()
 
 
 def preset_arguments(spec, context: Context) -> List[str]:
@@ -58,6 +61,3 @@ def preset_arguments(spec, context: Context) -> List[str]:
     check_node_rank(spec)
     address = f"tcp://{master_host(spec, context.environ)}:{spec.init_method_port}"
     return ["--init_method", address, "--rank", str(spec.task_index), "--world_size", str(spec.num_hosts)]
-
-
-forwards_to, root_cause, rank_logs = forwards_nothing, no_root_cause, no_rank_logs

@@ -6,24 +6,35 @@ once), each exit code is the rank's own, and each rank's output comes through
 the runtime's pipes (and into its proc log).
 """
 
+import re
 
 from ma_runtime.errors import ConfigError
 from ma_runtime.launch.base import (
+    RANK_VARIABLES,
     Context,
+    Launcher,
     Plan,
     WorkerPlan,
     common_env,
-    forwards_nothing,
-    no_rank_logs,
-    no_root_cause,
 )
 
-NAME = "rtf"
-TAKES_NPROC_PER_NODE = False  # the rank table's count; a setting that asks for another is an error
-OWN_CODE_AFTER_STOP = True  # after a stop: each rank's own
+
+class Rtf(Launcher):
+    NAME = "rtf"
+    TAKES_NPROC_PER_NODE = False  # the rank table's count; a setting that asks for another is an error
+    OWN_CODE_AFTER_STOP = True  # after a stop: each rank's own
+    WORKERS = re.compile(r"rank-\d+\Z")  # one per rank: `rank-<RANK_ID>`
+    # RANK_ID is what it sets; RANK may be a pod-wide value the scheduler exports to every process.
+    RANK_VARIABLES = ("RANK_ID", *(name for name in RANK_VARIABLES if name != "RANK_ID"))
+
+    def build(self, spec, context: Context, why: str) -> Plan:
+        return _plan(self.NAME, spec, context, why)
 
 
-def build(spec, context: Context, why: str) -> Plan:
+LAUNCHER = Rtf()
+
+
+def _plan(name: str, spec, context: Context, why: str) -> Plan:
     prepared = context.rank_table
     if prepared is None:
         raise ConfigError("the rank-table launch needs a rank table: RANK_TABLE_FILE is unset, or "
@@ -39,7 +50,7 @@ def build(spec, context: Context, why: str) -> Plan:
                           f"{len(node.devices)} device(s)",
                           hint="unset MA_RUNTIME_NPROC_PER_NODE, or choose MA_RUN_METHOD=torchrun or msrun")
     workers = [_rank(spec, context, prepared, device) for device in node.devices]
-    return Plan(NAME, why, tuple(workers), spec.num_hosts, len(workers))
+    return Plan(name, why, tuple(workers), spec.num_hosts, len(workers))
 
 
 def _rank(spec, context: Context, prepared, device) -> WorkerPlan:
@@ -61,6 +72,3 @@ def _rank(spec, context: Context, prepared, device) -> WorkerPlan:
     proc_log = spec.log_dir / f"modelarts-job-{spec.job_id}-proc-rank-{device.rank_id}-device-{logical}.txt"
     return WorkerPlan(f"rank-{device.rank_id}", tuple(context.argv), env, logs={"proc": str(proc_log)},
                       rank=device.rank_id)
-
-
-forwards_to, root_cause, rank_logs = forwards_nothing, no_root_cause, no_rank_logs

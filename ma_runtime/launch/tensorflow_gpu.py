@@ -28,32 +28,35 @@ from ma_runtime.launch import peers
 from ma_runtime.launch.args import append_words
 from ma_runtime.launch.base import (
     Context,
+    Launcher,
     Plan,
     WorkerPlan,
     check_once_per_node,
     common_env,
-    forwards_nothing,
-    no_rank_logs,
-    no_root_cause,
 )
 
-NAME = "tensorflow-gpu"
-TAKES_NPROC_PER_NODE = False  # one ps or worker per container
-OWN_CODE_AFTER_STOP = True  # after a stop: the command's own (the watcher waits for it and passes it on)
 ROLES = ("ps", "worker")
 _SHOWN = 80  # characters of a bad value quoted in an error
 _PORT = re.compile(r"[0-9]{1,5}\Z")
 _FORMAT_HINT = "the platform sets it: host:port entries, comma-separated, in brackets or not ([a:5000,b:5001])"
 
 
-def build(spec, context: Context, why: str) -> Plan:
-    check_once_per_node(spec, why, "each ps and worker container runs one TensorFlow task")
-    argv = list(context.argv)
-    if spec.num_hosts > 1:
-        argv = _multi_node(spec, context.environ, argv)
-    worker = WorkerPlan("command", tuple(argv), common_env(spec, context.attempt),
-                        logs={"task": str(spec.task_log_path)})
-    return Plan(NAME, why, (worker,), spec.num_hosts, 1)
+class TensorflowGpu(Launcher):
+    NAME = "tensorflow-gpu"
+    TAKES_NPROC_PER_NODE = False  # one ps or worker per container
+    OWN_CODE_AFTER_STOP = True  # after a stop: the command's own (the watcher waits for it and passes it on)
+
+    def build(self, spec, context: Context, why: str) -> Plan:
+        check_once_per_node(spec, why, "each ps and worker container runs one TensorFlow task")
+        argv = list(context.argv)
+        if spec.num_hosts > 1:
+            argv = _multi_node(spec, context.environ, argv)
+        worker = WorkerPlan("command", tuple(argv), common_env(spec, context.attempt),
+                            logs={"task": str(spec.task_log_path)})
+        return Plan(self.NAME, why, (worker,), spec.num_hosts, 1)
+
+
+LAUNCHER = TensorflowGpu()
 
 
 def _multi_node(spec, environ: Mapping[str, str], argv: List[str]) -> List[str]:
@@ -101,6 +104,3 @@ def _endpoint(name: str, text: str, entry: str) -> Tuple[str, int]:
 
 def _joined(endpoints: List[Tuple[str, int]]) -> str:
     return ",".join(f"{host}:{port}" for host, port in endpoints)
-
-
-forwards_to, root_cause, rank_logs = forwards_nothing, no_root_cause, no_rank_logs

@@ -38,11 +38,14 @@ from ma_runtime.errors import ConfigError
 from ma_runtime.launch.base import (
     PYTHON,
     Context,
+    Launcher,
+    Machinery,
     Plan,
     RootCause,
     Size,
     WorkerPlan,
     check_node_rank,
+    childrens_groups,
     common_env,
     find_launcher,
     master_host,
@@ -51,7 +54,6 @@ from ma_runtime.launch.base import (
 )
 from ma_runtime.setting import Setting, port, text
 
-NAME = "torchrun"
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
 SETTINGS = (
     Setting("torchrun_master_port", "MA_TORCHRUN_MASTER_PORT", port, "torchrun's --master_port on "
@@ -59,37 +61,67 @@ SETTINGS = (
     Setting("extra_torchrun_params", "MA_EXTRA_TORCHRUN_PARAMS", text, "extra torchrun flags; one it names "
             "replaces the preset one", "", cli=False, owner=__name__),
 )
-TAKES_NPROC_PER_NODE = True
-# After a stop: torchrun's agent raises SignalException and exits 1, whatever its ranks did.
-OWN_CODE_AFTER_STOP = False
 _COUNT = re.compile(r"[0-9]+\Z")
 _ROOT = "Root Cause (first observed failure):"
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
-# A process that runs no signal handler until it is continued: stopped by a signal, or by a tracer.
-_STOPPED = ("T", "t")
 
 
-# --------------------------------------------------------------------------- the plan
+class Torchrun(Launcher):
+    NAME = "torchrun"
+    TAKES_NPROC_PER_NODE = True
+    # After a stop: torchrun's agent raises SignalException and exits 1, whatever its ranks did.
+    OWN_CODE_AFTER_STOP = False
+    WORKERS = re.compile(r"torchrun\Z")
+    # torch elastic's agent, by its script, its modules, and the name torch gives its main thread
+    # (torch/distributed/run.py `run`), which also covers a launcher that runs the agent in its own process.
+    MACHINERY = Machinery(scripts=frozenset({"torchrun"}),
+                          modules=frozenset({"torch.distributed.run", "torch.distributed.launch"}),
+                          processes=frozenset({"pt_elastic"}))
+
+    def build(self, spec, context: Context, why: str) -> Plan:
+        launcher = find_launcher(context, "torchrun", "torch (pip install torch)")
+        count = per_node(spec)
+        if spec.num_hosts <= 1:
+            preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}"]
+        else:
+            check_node_rank(spec)
+            preset = [f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}", f"--node_rank={spec.task_index}",
+                      f"--master_addr={master_host(spec, context.environ)}",
+                      f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
+                      "--rdzv_backend=static"]
+        extra = split_extra("MA_EXTRA_TORCHRUN_PARAMS", spec.extra_torchrun_params)
+        flags = [*_without_flags(preset, _flag_names(extra)), *extra]
+        argv = [launcher, *flags, *_program(context.argv)]
+        worker = WorkerPlan(self.NAME, tuple(argv), common_env(spec, context.attempt),
+                            logs={"task": str(spec.task_log_path)})
+        # What torchrun will do, so read from its flags (MA_EXTRA_TORCHRUN_PARAMS may have replaced the preset ones).
+        return Plan(self.NAME, why, (worker,), _flag_value(flags, "nnodes"), _flag_value(flags, "nproc_per_node"))
+
+    def forwards_to(self, launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
+        """See the module docstring: the groups its ranks lead, while it can run its handler."""
+        return childrens_groups(launcher_pid, table)
+
+    def root_cause(self, lines: Sequence[str]) -> Optional[RootCause]:
+        """The root cause from the last summary in `lines` (the launcher's output tail), or None."""
+        start = max((index for index, line in enumerate(lines) if _ROOT in line), default=None)
+        if start is None:
+            return None
+        rank = returncode = None
+        for line in lines[start + 1:]:
+            rank = rank if rank is not None else _first_int(_RANK, line)
+            returncode = returncode if returncode is not None else _first_int(_EXIT, line)
+        if rank is None or returncode is None:
+            return None
+        return RootCause(rank, returncode)
+
+    # rank_logs: none; its ranks' output comes through torchrun's own, which the runtime pipes.
 
 
-def build(spec, context: Context, why: str) -> Plan:
-    launcher = find_launcher(context, "torchrun", "torch (pip install torch)")
-    count = per_node(spec)
-    if spec.num_hosts <= 1:
-        preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}"]
-    else:
-        check_node_rank(spec)
-        preset = [f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}", f"--node_rank={spec.task_index}",
-                  f"--master_addr={master_host(spec, context.environ)}",
-                  f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
-                  "--rdzv_backend=static"]
-    extra = split_extra("MA_EXTRA_TORCHRUN_PARAMS", spec.extra_torchrun_params)
-    flags = [*_without_flags(preset, _flag_names(extra)), *extra]
-    argv = [launcher, *flags, *_program(context.argv)]
-    worker = WorkerPlan(NAME, tuple(argv), common_env(spec, context.attempt), logs={"task": str(spec.task_log_path)})
-    # What torchrun will do, so read from its flags (MA_EXTRA_TORCHRUN_PARAMS may have replaced the preset ones).
-    return Plan(NAME, why, (worker,), _flag_value(flags, "nnodes"), _flag_value(flags, "nproc_per_node"))
+LAUNCHER = Torchrun()
+
+
+# --------------------------------------------------------------------------- the plan's flags
 
 
 def _program(argv: Sequence[str]) -> List[str]:
@@ -131,37 +163,6 @@ def _flag_value(flags: Sequence[str], name: str) -> Size:
     return int(value) if _COUNT.match(value) else value
 
 
-# --------------------------------------------------------------------------- stopping, failing
-
-
-def forwards_to(launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
-    """Every process in a group led by one of torchrun's living children (its ranks), while torchrun is alive
-    and able to run its handler."""
-    launcher = table.get(launcher_pid)
-    if launcher is None or launcher.state in _STOPPED:
-        return set()
-    ranks = {pid for pid, proc in table.items() if proc.ppid == launcher_pid}
-    return {pid for pid, proc in table.items() if proc.pgid in ranks}
-
-
-def root_cause(lines: Sequence[str]) -> Optional[RootCause]:
-    """The root cause from the last summary in `lines` (the launcher's output tail), or None."""
-    start = max((index for index, line in enumerate(lines) if _ROOT in line), default=None)
-    if start is None:
-        return None
-    rank = returncode = None
-    for line in lines[start + 1:]:
-        rank = rank if rank is not None else _first_int(_RANK, line)
-        returncode = returncode if returncode is not None else _first_int(_EXIT, line)
-    if rank is None or returncode is None:
-        return None
-    return RootCause(rank, returncode)
-
-
 def _first_int(pattern: "re.Pattern[str]", line: str) -> Optional[int]:
     found = pattern.match(line)
     return int(found.group(1)) if found else None
-
-
-def rank_logs(plan: Plan) -> Optional[str]:
-    return None  # its ranks' output comes through torchrun's own, which the runtime pipes

@@ -15,7 +15,7 @@ import errno
 import os
 import signal
 import subprocess
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ma_runtime import children
 from ma_runtime.errors import too_large_for_exec
@@ -92,7 +92,3 @@ def run_tool(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] 
         why = too_large_for_exec(argv, os.environ if env is None else env) if exc.errno == errno.E2BIG else exc.strerror
         raise ToolError("failed", f"{argv[0]} could not run: {why}") from None
     return proc.returncode, out, err
-
-
-def results_for(item: str, results: List[Result]) -> List[Result]:
-    return [r for r in results if r.item == item]

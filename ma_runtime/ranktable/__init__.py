@@ -1,4 +1,4 @@
-"""The HCCL rank table stage (`prepare`, `peek`, `unchanged`): wait for the platform's table, convert it, find
+"""The HCCL rank table stage (`wait_and_convert`, `peek`, `unchanged`): wait for the platform's table, convert it, find
 this node in it. Its parts: model.py (the templates as data, the errors), convert.py (reading and validating
 either template, converting, writing), wait.py (locating, reading, waiting), node.py (this node's view).
 
@@ -71,7 +71,7 @@ def converted_path(spec) -> Path:
     return spec.state_dir / "rank_table" / FILE_NAME
 
 
-def prepare(spec, environ: Mapping[str, str], log) -> Optional[Prepared]:
+def wait_and_convert(spec, environ: Mapping[str, str], log) -> Optional[Prepared]:
     """Waits for the platform's rank table, converts it, writes template one; None when there is none to wait for.
 
     Called before every start of the command: a reschedule may have rewritten the table.
@@ -99,12 +99,12 @@ def unchanged(prepared: Prepared) -> bool:
     try:
         seen = table_wait.look(prepared.source)
     except RuntimeFailure:
-        return False  # broken now: `prepare` says how
+        return False  # broken now: `wait_and_convert` says how
     return seen.state == COMPLETED and seen.text == prepared.text
 
 
 def peek(spec, environ: Mapping[str, str]) -> Optional[Prepared]:
-    """The rank table as `prepare` would give it, without waiting or writing (for `ma-runtime plan`)."""
+    """The rank table as `wait_and_convert` would give it, without waiting or writing (for `ma-runtime plan`)."""
     if not spec.waits_for_rank_table:
         return None
     source = table_wait.locate(str(spec.ranktable_file))

@@ -55,7 +55,7 @@ class _JobSpecBase:
 
     @property
     def waits_for_rank_table(self) -> bool:
-        """Whether `run` waits for and converts the rank table (ranktable.prepare)."""
+        """Whether `run` waits for and converts the rank table (ranktable.wait_and_convert)."""
         return self.ranktable_file is not None and self.ranktable_wait != "off"
 
     @property

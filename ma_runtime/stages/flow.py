@@ -44,13 +44,13 @@ def before_the_command(spec: spec_module.JobSpec, first, command: Sequence[str],
     # The hooks see what the command will see (MA_LOG_DIR, VC_TASK_INDEX, the staged channels resolved); a later
     # runtime in this pod (first.number > 1) reuses what the first one installed and its hook exported.
     seen_by_hooks = {**attempt_processes.worker_env(spec, context.run_id, first.number, os.environ), **staged.env}
-    changes = hooks.prepare(spec, seen_by_hooks, command, context.task_log, log, reuse=first.number > 1,
+    changes = hooks.run_hooks(spec, seen_by_hooks, command, context.task_log, log, reuse=first.number > 1,
                             exclude=(context.guard.pid,) if context.guard is not None else ())
     rank_table = None
     if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
         from ma_runtime import ranktable
 
-        rank_table = ranktable.prepare(spec, os.environ, log)
+        rank_table = ranktable.wait_and_convert(spec, os.environ, log)
         staged.env.update(rank_table.env)
     environ = changes.apply(os.environ)
     services_env = attempt_processes.worker_env(spec, context.run_id, first.number, environ)
@@ -80,10 +80,8 @@ def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, 
                     stopped: threading.Event) -> None:
     """What the launcher keeps running for the whole run (mpirun's sshd), after the hooks, whose PATH applies;
     its output on the console and in the task log, like a hook's."""
-    from ma_runtime.launch.base import start_services
-
     sinks = [logs.stderr_sink(), *([context.task_log.as_console()] if context.task_log is not None else [])]
-    start_services(registry.launcher(plan_module.choose(spec)[0]), spec, environ, log, stopped, sinks)
+    registry.launcher(plan_module.choose(spec)[0]).start_services(spec, environ, log, stopped, sinks)
 
 
 def for_attempt(spec: spec_module.JobSpec, prepared: Prepared, attempt, _stopped: threading.Event) -> Prepared:
@@ -135,7 +133,7 @@ def refresh(spec: spec_module.JobSpec, prepared: Prepared, _stopped: threading.E
     if ranktable.unchanged(prepared.rank_table):
         return prepared
     logs.get_logger().info("the rank table changed since the last attempt: converting it again")
-    rank_table = ranktable.prepare(spec, os.environ, logs.get_logger())
+    rank_table = ranktable.wait_and_convert(spec, os.environ, logs.get_logger())
     return dataclasses.replace(prepared, staged=dataclasses.replace(
         prepared.staged, env={**prepared.staged.env, **rank_table.env}), rank_table=rank_table)
 

@@ -24,7 +24,7 @@ from ma_runtime.supervise.supervisor import Outcome, Supervisor
 from ma_runtime.supervise.worker import Worker, spawn
 
 
-class _Watch:
+class _HangWatch:
     """One attempt's hang monitor, and what the workers need for it: the stack-dump registration in their
     environment, the progress pattern among their output's destinations."""
 
@@ -64,7 +64,7 @@ def run_attempt(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, cont
     launcher = registry.launcher(plan.method)
     follower = None
     opened: List[Sink] = []  # the attempt's proc logs
-    watch = _Watch(spec, hangs, attempt, log) if hangs is not None else None
+    watch = _HangWatch(spec, hangs, attempt, log) if hangs is not None else None
     try:
         # Logged before the spawn, so that it precedes the command's output everywhere.
         log.info(

@@ -22,7 +22,7 @@ library only), and the runtime only hands it lines:
   and started again (RESTARTS times per attempt; then the pattern is off for the attempt, with a warning).
 - The matcher is a helper child (children.start_helper): the reaping loop leaves it to this module, and the
   supervisor's stops, sweeps and guard, and the hang detector's tree walk, leave it out. `close()`, at the
-  attempt's end (attempt_processes._Watch), ends it (killed: its answers no longer matter) and says what was not
+  attempt's end (attempt_processes._HangWatch), ends it (killed: its answers no longer matter) and says what was not
   matched, if anything.
 
 Cost (benchmarks run through a LinePump, 2 shared cores): a chunk costs the pump a lock and a list append, with

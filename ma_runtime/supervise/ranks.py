@@ -6,13 +6,11 @@ ranks and its store; msrun's scheduler logs the cluster's state every 5 s), and 
 torchrun.
 
 Machinery is recognised wherever it is in a worker's tree, since a plain `bash run.sh` may start torchrun itself:
-- torch elastic's agent: `torchrun`, `python -m torch.distributed.run` or `.launch`; torch names the agent's main
-  thread `pt_elastic` (torch/distributed/run.py `run`), which also covers a launcher that runs the agent in its own
-  process (accelerate launch);
-- msrun (`msrun`, `python -m mindspore.parallel.cluster.run`) and the scheduler it starts, which runs the user's
-  script with MS_ROLE=MS_SCHED in its environment;
-- MPI's launchers and daemons, by name (mpirun, mpiexec, orterun, orted, prterun, prted, Hydra's proxies), and the
-  ssh or rsh they start to reach the other nodes;
+- each launcher's, by the words its `MACHINERY` declares (launch/base.py `Machinery`, read through the registry):
+  torch elastic's agent (`torchrun`, `python -m torch.distributed.run` or `.launch`, or the name torch gives its
+  main thread, `pt_elastic`); msrun and the scheduler it starts, which runs the user's script with MS_ROLE=MS_SCHED
+  in its environment; MPI's launchers and daemons by name (mpirun, mpiexec, orted, prted, Hydra's proxies), and
+  the ssh or rsh they start to reach the other nodes;
 - the runtime's own programs: a nested ma-run or ma-runtime with its guard and uploader, and the peers watcher
   (`python -m ma_runtime.launch.peers`: TensorFlow's ps watcher, mpirun's watcher on the nodes but worker-0).
 The runtime's helpers (the guard, the uploader, the tools it runs) and its services (sshd, the key server) are not
@@ -27,33 +25,55 @@ What a process is follows from its name and command line, which an exec changes:
 start time and name, so each process's /proc/<pid>/cmdline is read once, not once per look.
 """
 
+import functools
 import os
 import re
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from ma_runtime.launch import registry
+from ma_runtime.launch.base import RANK_VARIABLES, Helper
 from ma_runtime.supervise.guard import NAME as GUARD_NAME
 from ma_runtime.supervise.worker import Proc
 
-AGENT_THREAD = "pt_elastic"
-_MPI = frozenset({"mpirun", "mpiexec", "orterun", "orted", "prterun", "prted", "prte", "hydra_pmi_proxy",
-                  "mpiexec.hydra", "hydra_bstrap_proxy"})
-_REMOTE_SHELLS = frozenset({"ssh", "rsh"})
-_MPI_DAEMONS = frozenset({"orted", "prted", "hydra_pmi_proxy"})
-_SCRIPTS = {"torchrun": "torchrun", "msrun": "msrun", "ma-run": "ma-runtime", "ma-runtime": "ma-runtime"}
-_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torchrun",
-            "mindspore.parallel.cluster.run": "msrun", "ma_runtime": "ma-runtime",
-            "ma_runtime.launch.peers": "the runtime's peers watcher"}
+# The runtime's own programs (no launcher's): a nested runtime, and the peers watcher.
+_OWN_SCRIPTS = {"ma-run": "ma-runtime", "ma-runtime": "ma-runtime"}
+_OWN_MODULES = {"ma_runtime": "ma-runtime", "ma_runtime.launch.peers": "the runtime's peers watcher"}
 # Python's options that take the next word as their value.
 _OPTIONS_WITH_VALUE = frozenset({"-X", "-W", "--check-hash-based-pycs"})
 _PYTHON = re.compile(r"python[0-9.]*\Z")
 _CMDLINE_LIMIT = 1 << 16
 _ENVIRON_LIMIT = 1 << 20
-# Which variable says a process's rank, in the order each launcher's ranks are asked: RTF and msrun set RANK_ID
-# (a scheduler may export RANK to every process of a pod), torchrun RANK, Open MPI OMPI_COMM_WORLD_RANK.
-_RANK_FIRST = ("RANK_ID", "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
-_RANK_ORDER = ("RANK", "RANK_ID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 _Key = Tuple[int, int, str]  # pid, start time, name
+
+
+class _Words(NamedTuple):
+    """Every launcher's machinery words (launch/base.py `Machinery`), and the runtime's own, by what they match;
+    each maps a word to the label of what it finds."""
+
+    scripts: Mapping[str, str]  # program file name -> label
+    modules: Mapping[str, str]  # `python -m` module -> label
+    processes: FrozenSet[str]  # process names (comm), each its own label
+    daemons: FrozenSet[str]  # below these, the job, even in a service's tree
+    remote_shells: Mapping[str, FrozenSet[str]]  # a starter's label -> the remote shells it starts
+    helpers: Mapping[str, Helper]  # a launcher's label -> how its helper that runs the user's script is told
+
+
+@functools.cache
+def _words() -> _Words:
+    """Read once, when first needed: the registry imports every launcher module for it."""
+    scripts, modules, helpers = dict(_OWN_SCRIPTS), dict(_OWN_MODULES), {}
+    processes, daemons, remote_shells = set(), set(), {}
+    for launcher in registry.launchers():
+        machinery = launcher.MACHINERY
+        scripts.update(dict.fromkeys(machinery.scripts, launcher.NAME))
+        modules.update(dict.fromkeys(machinery.modules, launcher.NAME))
+        processes |= machinery.processes
+        daemons |= machinery.daemons
+        remote_shells.update(dict.fromkeys(machinery.processes, machinery.remote_shells))
+        if machinery.helper is not None:
+            helpers[launcher.NAME] = machinery.helper
+    return _Words(scripts, modules, frozenset(processes), frozenset(daemons), remote_shells, helpers)
 
 
 class Unit(NamedTuple):
@@ -115,7 +135,7 @@ class Finder:
             pid, parent, here = todo.pop()
             order.append((pid, parent, here))
             # Below an MPI daemon is the job, even in a service's tree (sshd's); elsewhere, as above.
-            below = here or self.machinery(pid, table) in _MPI_DAEMONS
+            below = here or self.machinery(pid, table) in _words().daemons
             todo.extend((child, pid, below) for child in children.get(pid, ()))
         launching = set()
         for pid, parent, _ in reversed(order):
@@ -131,20 +151,20 @@ class Finder:
             units[pid] = found[pid] = unit or Unit(pid, worker, self.label(pid, worker, table))
 
     def _recognise(self, pid: int, proc: Proc, table: Mapping[int, Proc]) -> Optional[str]:
-        if proc.comm == AGENT_THREAD:
-            return "torchrun"
-        if proc.comm in _MPI:
+        words = _words()
+        if proc.comm in words.processes:
             return proc.comm
         if proc.comm == GUARD_NAME:
             return "ma-runtime"
         parent = self.machinery(proc.ppid, table) if proc.ppid in table else None
-        if proc.comm in _REMOTE_SHELLS and parent in _MPI:
+        if proc.comm in words.remote_shells.get(parent, ()):
             return f"{proc.comm} started by {parent}"
         what = program(self._cmdline(pid))
         if what is not None:
             return what
-        if parent == "msrun" and self._environ(pid).get("MS_ROLE") == "MS_SCHED":
-            return "msrun's scheduler"
+        helper = words.helpers.get(parent)
+        if helper is not None and self._environ(pid).get(helper.variable) == helper.value:
+            return helper.label
         return None
 
     def _forget(self, table: Mapping[int, Proc]) -> None:
@@ -166,13 +186,13 @@ def program(argv: Sequence[str]) -> Optional[str]:
     """The launcher a command line runs ("torchrun", "msrun", "ma-runtime", ...), or None for anything else."""
     if not argv:
         return None
-    name = os.path.basename(argv[0])
+    name, known = os.path.basename(argv[0]), _words()
     if not _PYTHON.match(name):
-        return _SCRIPTS.get(name)
+        return known.scripts.get(name)
     words = iter(argv[1:])
     for word in words:
         if word == "-m":
-            return _MODULES.get(next(words, ""))
+            return known.modules.get(next(words, ""))
         if word in _OPTIONS_WITH_VALUE:
             next(words, None)
         elif word == "-c":  # the runtime's uploader runs as `python -I -c <its boot code>`
@@ -180,18 +200,34 @@ def program(argv: Sequence[str]) -> Optional[str]:
         elif word == "-":
             return None
         elif not word.startswith("-"):
-            return _SCRIPTS.get(os.path.basename(word))
+            return known.scripts.get(os.path.basename(word))
     return None
 
 
 def rank_of(variables: Mapping[str, str], worker: str) -> Optional[int]:
-    """The rank a process's environment names, asked in its launcher's order, or None."""
-    order = _RANK_FIRST if worker == "msrun" or worker.startswith("rank-") else _RANK_ORDER
-    for name in order:
+    """The rank a process's environment names, asked in the order of the launcher whose plan names `worker`
+    (launch/base.py `Launcher.RANK_VARIABLES`), or None."""
+    for name in _rank_variables(worker):
         value = variables.get(name, "").strip()
         if value.isdigit():
             return int(value)
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_variables(worker: str) -> Tuple[str, ...]:
+    """The first launcher's whose plans name a worker so; launchers that share a worker name ("command") ask in
+    the same order."""
+    for launcher in registry.launchers():
+        if launcher.WORKERS.match(worker):
+            return launcher.RANK_VARIABLES
+    return RANK_VARIABLES
+
+
+def is_helper(variables: Mapping[str, str]) -> bool:
+    """Whether a process's environment marks a launcher's helper that runs the user's script too (msrun's
+    scheduler, which gets RANK_ID=0), which is no rank."""
+    return any(variables.get(variable) == value for variable, value, _ in _words().helpers.values())
 
 
 def cmdline(pid: int) -> List[str]:

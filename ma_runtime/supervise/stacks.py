@@ -385,9 +385,10 @@ def _rank_of(proc: _Proc) -> Optional[str]:
 
 def _rank(pid: int, worker_name: str) -> Optional[str]:
     """The rank a process's initial environment gives it (ranks.rank_of). The trees hold the ranks and theirs, no
-    launcher (supervise/ranks.py); msrun's scheduler, which runs the user's script with RANK_ID=0, is no rank."""
+    launcher (supervise/ranks.py); a launcher's helper (msrun's scheduler, which runs the user's script with
+    RANK_ID=0) is no rank."""
     environ = _environ(pid)
-    if environ.get("MS_ROLE") == "MS_SCHED":
+    if ranks.is_helper(environ):
         return None
     rank = ranks.rank_of(environ, worker_name)
     return None if rank is None else str(rank)

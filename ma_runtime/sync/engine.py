@@ -217,7 +217,7 @@ class ChannelSync:
         ready, at_stop = self._ready(entries, final, stopped_at, look)
         set_aside = {relative for relative in ready if self.refused.get(relative) == entries[relative].identity}
         result = Result()
-        run = _Run(self, entries, result, deadline, stop, final)
+        run = _UploadCycle(self, entries, result, deadline, stop, final)
         run.held.update(set(entries) - set(ready))
         run.refused.update(set_aside)
         run.why.update({relative: AT_THE_STOP for relative in at_stop})
@@ -301,7 +301,7 @@ class ChannelSync:
                              first=", ".join(sorted(at_stop)[:3]))
         return kept, at_stop
 
-    def _missing(self, run: "_Run") -> List[str]:
+    def _missing(self, run: "_UploadCycle") -> List[str]:
         """What a final sync did not upload, each with why when that is known. A log with an earlier copy in the
         store is not missing: a log only grows, so the store has all of it but the last lines (the next sync of
         the same folder sends them)."""
@@ -325,7 +325,7 @@ class ChannelSync:
 
     # ------------------------------------------------------------------ markers in the store
 
-    def withdraw_markers(self, relatives: List[str], run: "_Run") -> Optional[List[str]]:
+    def withdraw_markers(self, relatives: List[str], run: "_UploadCycle") -> Optional[List[str]]:
         """Deletes from the store each marker we published whose unit holds one of `relatives` (about to go up),
         before they do; returns those withdrawn, or None when the store failed (the cycle ends: nothing of those
         units goes up)."""
@@ -471,7 +471,7 @@ class ChannelSync:
 
     # ------------------------------------------------------------------ deletes and events
 
-    def _delete_vanished(self, present: Set[str], run: "_Run") -> None:
+    def _delete_vanished(self, present: Set[str], run: "_UploadCycle") -> None:
         calls = run.calls
         for relative in self.manifest.relatives():
             if run.out_of_time():
@@ -508,7 +508,7 @@ class ChannelSync:
                              error=result.error, next=None if final else "retried next cycle")
 
 
-class _Run:
+class _UploadCycle:
     """The uploads of one cycle: small files in a pool, markers after their units, large files one at a time
     (each in parallel parts), every wait bounded by the deadline."""
 

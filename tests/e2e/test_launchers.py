@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ma_runtime.launch import registry
 from tests.conftest import MA_RUN, ROOT, alive, free_port, run_ma
 
 JOBS = ROOT / "tests" / "e2e" / "jobs"
@@ -264,5 +265,5 @@ def test_an_unknown_run_method_is_one_line_naming_the_accepted_values(job_env):
     done = run_ma(["sh", "-c", "echo RAN"], {**job_env, "MA_RUN_METHOD": "horovod"})
 
     assert done.returncode == 78 and "RAN" not in done.stdout
-    assert "rtf, torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, plain" in done.stderr
+    assert ", ".join(registry.METHODS) in done.stderr
     assert "Traceback" not in done.stderr

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import spec, sshd
+from ma_runtime import spec
+from ma_runtime.launch import sshd
 from tests.conftest import alive, free_port, run_ma, wait_for_file
 from tests.e2e import test_multinode as multinode
 from tests.e2e.test_launchers import JOBS, launcher_env, termination

@@ -94,7 +94,9 @@ DRIVER = textwrap.dedent(r"""
     os.kill(os.getpid(), signal.SIGTERM)  # the platform's stop: forwarded, ignored, the grace runs out
     outcome = ExitsAsTheGraceEnds(worker, signals, 0.5, logs.get_logger()).run()
     steps = (plan.WorkerPlan("command", tuple(command), {}),)
-    found = verdict.of(outcome, plan.Plan("plain", "test", steps, 1, 1), plain.root_cause, plain.OWN_CODE_AFTER_STOP)
+    launcher = plain.LAUNCHER
+    found = verdict.of(outcome, plan.Plan("plain", "test", steps, 1, 1), launcher.root_cause,
+                       launcher.OWN_CODE_AFTER_STOP)
     print(json.dumps({"forced": outcome.forced, "returncode": outcome.returncode, "exit_code": found.exit_code,
                       "reason": found.reason}))
 """)

@@ -33,6 +33,7 @@ from ma_runtime.storage import transfer
 from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import TransientError
 from ma_runtime.storage.stores import open_store
+from tests.uploads import upload_file
 
 MiB = 1 << 20
 SLOW_DOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
@@ -341,7 +342,7 @@ def test_faults_during_a_multipart_upload_are_retried(proxy, obs_endpoint, tmp_p
                                     progress_seconds=0, state_dir=tmp_path / "state")
     proxy.arm("reset", 2, ("PUT",))
 
-    transfer.upload_file(store, path, storage_url.parse(f"obs://{bucket}/up/model.bin"), opts, Log())
+    upload_file(store, path, storage_url.parse(f"obs://{bucket}/up/model.bin"), opts, Log())
 
     assert proxy.spoiled == 2
     assert obs_endpoint.s3.get_object(Bucket=bucket, Key="up/model.bin")["Body"].read() == data
@@ -360,7 +361,7 @@ def test_an_error_in_a_200_to_the_complete_is_retried_and_the_object_is_whole(pr
     log = Log()
     proxy.arm("error-200", 1, ("POST",), marker="uploadId=")
 
-    info = transfer.upload_file(store_via(proxy, obs_endpoint, tmp_path), path,
+    info = upload_file(store_via(proxy, obs_endpoint, tmp_path), path,
                                 storage_url.parse(f"obs://{bucket}/up/model.bin"), upload_options(tmp_path), log)
 
     assert proxy.spoiled == 1 and ("warning", "storage request failed, retrying") in log.events
@@ -375,7 +376,7 @@ def test_a_put_answered_200_without_an_etag_is_sent_again(proxy, obs_endpoint, t
     log = Log()
     proxy.arm("no-etag", 1, ("PUT",), unless="uploadId=")
 
-    info = transfer.upload_file(store_via(proxy, obs_endpoint, tmp_path), path,
+    info = upload_file(store_via(proxy, obs_endpoint, tmp_path), path,
                                 storage_url.parse(f"obs://{bucket}/up/"), upload_options(tmp_path), log)
 
     assert proxy.spoiled == 1 and ("warning", "storage request failed, retrying") in log.events
@@ -431,14 +432,14 @@ def test_endless_errors_in_200_to_the_complete_fail_cleanly_and_a_rerun_complete
     proxy.arm("error-200", methods=("POST",), marker="uploadId=")
 
     with pytest.raises(TransientError, match=r"error document.*failed \d+ times in"):
-        transfer.upload_file(store, path, location, upload_options(tmp_path, retry_seconds=2), Log())
+        upload_file(store, path, location, upload_options(tmp_path, retry_seconds=2), Log())
 
     assert proxy.spoiled >= 2
     assert obs_endpoint.s3.list_objects(Bucket=bucket).get("Contents") is None
     proxy.arm("reset", methods=("PUT",))  # a part sent again would fail: none is
     log = Log()
 
-    transfer.upload_file(store, path, location, upload_options(tmp_path), log)
+    upload_file(store, path, location, upload_options(tmp_path), log)
 
     assert ("info", "upload resumed") in log.events and proxy.spoiled == 0
     assert obs_endpoint.s3.get_object(Bucket=bucket, Key="up/model.bin")["Body"].read() == data

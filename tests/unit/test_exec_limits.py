@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from ma_runtime import errors, sshd
+from ma_runtime import errors
 from ma_runtime.errors import CommandNotExecutable, exceeds_exec_limits, exec_total_limit, too_large_for_exec
+from ma_runtime.launch import sshd
 from ma_runtime.preflight.model import ToolError, run_tool
 from ma_runtime.supervise.worker import spawn
 from ma_runtime.sync import control

@@ -53,7 +53,7 @@ def config_error(job, **variables) -> ConfigError:
 @pytest.mark.parametrize("name", ["pytorch-gpu", "tensorflow-gpu"])
 def test_each_preset_is_a_launcher_module_with_the_whole_interface(name):
     module = registry.launcher(name)
-    assert module.__name__ == f"ma_runtime.launch.{name.replace('-', '_')}" and name == module.NAME
+    assert type(module).__module__ == f"ma_runtime.launch.{name.replace('-', '_')}" and name == module.NAME
     # The command once per node, its exit code its own, nothing between the supervisor and its process group.
     assert (module.TAKES_NPROC_PER_NODE, module.OWN_CODE_AFTER_STOP) == (False, True)
     table = {100: Proc("S", 1, 100, 0), 200: Proc("S", 100, 200, 1), 201: Proc("S", 200, 200, 2)}

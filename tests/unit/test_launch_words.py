@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import children, spec, sshd
+from ma_runtime import children, spec
 from ma_runtime.errors import ConfigError
+from ma_runtime.launch import registry, sshd
 from ma_runtime.ranktable import model as table_model
 from tests.conftest import MA_RUNTIME, alive, free_port
 from tests.recording import Log
@@ -90,12 +91,22 @@ def words_of(document):
             yield f"{worker['name']} cwd", worker["cwd"]
 
 
+def method_of(launch: str) -> str:
+    return launch.split("-worker")[0].replace("-one-node", "")
+
+
+def test_every_registered_launcher_has_its_case_here():
+    assert {method_of(launch) for launch in LAUNCHES} == set(registry.METHODS)
+
+
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
 def test_every_path_in_each_launchers_plan_is_whole_with_a_hostile_home(hostile, launch):
     base, env = hostile
-    env.update(MA_RUN_METHOD=launch.split("-worker")[0].replace("-one-node", ""), **LAUNCHES[launch](base))
+    env.update(MA_RUN_METHOD=method_of(launch), **LAUNCHES[launch](base))
 
     document = plan_json(env, ["python", "train.py"])
+    # The names supervise/ranks.py knows its workers by (launch/base.py Launcher.WORKERS).
+    assert all(registry.launcher(method_of(launch)).WORKERS.match(worker["name"]) for worker in document["workers"])
 
     found = 0
     for where, text in words_of(document):

@@ -5,6 +5,7 @@ torchrun's forwarding is checked twice: against a hand-built process table
 the signals they receive.
 """
 
+import dataclasses
 import importlib
 import os
 import pkgutil
@@ -19,7 +20,7 @@ import pytest
 
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
-from ma_runtime.launch.base import Context, Plan, RootCause, WorkerPlan
+from ma_runtime.launch.base import Context, Launcher, Machinery, Plan, RootCause, WorkerPlan
 from ma_runtime.supervise.worker import Proc, processes
 from tests.conftest import MA_RUNTIME, alive, wait_for_file
 from tests.e2e.test_launchers import TORCH_BIN, needs_torch
@@ -38,33 +39,61 @@ TORCHRUN_SUMMARY = [
 
 
 def launcher_modules():
-    """The modules of launch/ that build a plan, whether registered or not (plan.py is the dispatcher)."""
+    """The modules of launch/ that hold a launcher (a subclass of base.Launcher), whether registered or not."""
     names = set()
     for info in pkgutil.iter_modules([str(LAUNCH_FOLDER)]):
         module = importlib.import_module(f"ma_runtime.launch.{info.name}")
-        if info.name != "plan" and hasattr(module, "build"):
+        if any(isinstance(value, type) and issubclass(value, Launcher) and value is not Launcher
+               for value in vars(module).values()):
             names.add(info.name.replace("_", "-"))  # pytorch_gpu.py is the pytorch-gpu launcher
     return names
 
 
 def test_the_registry_lists_every_launcher_module_and_nothing_else():
     assert launcher_modules() == set(registry.METHODS)
-    assert registry.METHODS == ("rtf", "torchrun", "msrun", "mpirun", "pytorch-gpu", "tensorflow-gpu", "plain")
     assert plan_module.METHODS == registry.METHODS
+    assert [launcher.NAME for launcher in registry.launchers()] == list(registry.METHODS)
 
 
 @pytest.mark.parametrize("name", registry.METHODS)
-def test_each_launcher_has_the_whole_interface(name):
-    module = registry.launcher(name)
-    assert module.__name__ == f"ma_runtime.launch.{name.replace('-', '_')}" and name == module.NAME
-    assert isinstance(module.TAKES_NPROC_PER_NODE, bool)
-    assert isinstance(module.OWN_CODE_AFTER_STOP, bool)
-    for function in ("build", "forwards_to", "root_cause", "rank_logs"):
-        assert callable(getattr(module, function)), function
+def test_each_launcher_implements_the_interface(name):
+    launcher = registry.launcher(name)
+    assert isinstance(launcher, Launcher) and name == launcher.NAME
+    assert type(launcher).__module__ == f"ma_runtime.launch.{name.replace('-', '_')}"
+    assert isinstance(launcher.TAKES_NPROC_PER_NODE, bool)
+    assert isinstance(launcher.OWN_CODE_AFTER_STOP, bool)
+    assert isinstance(launcher.MACHINERY, Machinery) and launcher.MACHINERY.daemons <= launcher.MACHINERY.processes
+    assert launcher.RANK_VARIABLES and all(isinstance(variable, str) for variable in launcher.RANK_VARIABLES)
+    assert launcher.WORKERS.pattern.endswith("\\Z")  # a whole name, not a prefix
+
+
+class Bare(Launcher):
+    NAME = "bare"
+
+    def build(self, spec, context, why):
+        return Plan(self.NAME, why, (WorkerPlan("command", tuple(context.argv), {}),), 1, 1)
+
+
+def test_a_launcher_that_declares_only_its_name_and_plan_gets_every_default(tmp_path):
+    """The defaults are the plain launch's: one process, its own code, nothing forwarded, no services."""
+    bare = Bare()
+    assert (bare.TAKES_NPROC_PER_NODE, bare.OWN_CODE_AFTER_STOP) == (False, True)
+    assert bare.forwards_to(TORCHRUN_PID, TABLE) == set() and bare.root_cause(TORCHRUN_SUMMARY) is None
+    assert bare.rank_logs(bare.build(None, Context(["python"], {}), "test")) is None
+    assert bare.start_services(None, {}, None, None, []) is None
+    assert not any(dataclasses.astuple(bare.MACHINERY)) and bare.WORKERS.match("command")
+
+
+def test_a_launcher_without_a_plan_cannot_be_made():
+    class NoPlan(Launcher):
+        NAME = "no-plan"
+
+    with pytest.raises(TypeError, match="build"):
+        NoPlan()
 
 
 def test_an_unknown_launcher_is_refused_by_name():
-    with pytest.raises(ValueError, match="bogus.*rtf, torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, plain"):
+    with pytest.raises(ValueError, match=f"bogus.*{', '.join(registry.METHODS)}"):
         registry.launcher("bogus")
     with pytest.raises(ValueError):
         registry.launcher("base")  # a module of launch/, not a launcher
@@ -90,8 +119,7 @@ def test_a_bogus_method_is_one_line_naming_the_valid_ones(job_env):
                             text=True, timeout=60)
     assert result.returncode == 78 and result.stdout == ""
     (line,) = result.stderr.splitlines()
-    assert ("MA_RUN_METHOD='bogus' must be one of rtf, torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, "
-            "plain") in line
+    assert f"MA_RUN_METHOD='bogus' must be one of {', '.join(registry.METHODS)}" in line
     assert "Traceback" not in result.stderr
 
 
@@ -100,7 +128,7 @@ def test_a_bogus_method_is_one_line_naming_the_valid_ones(job_env):
 
 def test_only_torchrun_finds_a_root_cause_in_its_output():
     assert registry.launcher("torchrun").root_cause(TORCHRUN_SUMMARY) == RootCause(1, 3)
-    for name in ("plain", "rtf", "msrun"):
+    for name in set(registry.METHODS) - {"torchrun"}:
         assert registry.launcher(name).root_cause(TORCHRUN_SUMMARY) is None, name
 
 
@@ -108,7 +136,7 @@ def test_only_msrun_has_a_rank_log_folder(tmp_path):
     folder = str(tmp_path / "msrun" / "attempt-2")
     msrun_plan = Plan("msrun", "test", (WorkerPlan("msrun", ("msrun",), {}, logs={"msrun": folder}),), 1, 2)
     assert registry.launcher("msrun").rank_logs(msrun_plan) == folder
-    for name in ("plain", "rtf", "torchrun"):
+    for name in set(registry.METHODS) - {"msrun"}:
         other = Plan(name, "test", (WorkerPlan(name, ("x",), {}, logs={"task": "t.log"}),), 1, 1)
         assert registry.launcher(name).rank_logs(other) is None, name
 
@@ -139,6 +167,13 @@ def test_torchrun_forwards_to_every_process_in_its_childrens_groups():
     assert registry.launcher("torchrun").forwards_to(TORCHRUN_PID, TABLE) == {201, 202, 301, 302, 311}
 
 
+def test_mpirun_forwards_by_torchrun_s_rule():
+    """Each local rank a child of mpirun leading its own group (launch/mpirun.py's docstring)."""
+    for table in (TABLE, {**TABLE, TORCHRUN_PID: TABLE[TORCHRUN_PID]._replace(state="T")}):
+        assert registry.launcher("mpirun").forwards_to(TORCHRUN_PID, table) == \
+            registry.launcher("torchrun").forwards_to(TORCHRUN_PID, table)
+
+
 def test_torchrun_absent_from_the_table_forwards_nothing():
     table = {pid: proc for pid, proc in TABLE.items() if pid != TORCHRUN_PID}
     assert registry.launcher("torchrun").forwards_to(TORCHRUN_PID, table) == set()
@@ -150,7 +185,7 @@ def test_a_stopped_torchrun_forwards_nothing(state):
     assert registry.launcher("torchrun").forwards_to(TORCHRUN_PID, table) == set()
 
 
-@pytest.mark.parametrize("name", ["plain", "rtf", "msrun"])
+@pytest.mark.parametrize("name", sorted(set(registry.METHODS) - {"torchrun", "mpirun"}))
 def test_the_other_launchers_forward_nothing(name):
     assert registry.launcher(name).forwards_to(TORCHRUN_PID, TABLE) == set()
 

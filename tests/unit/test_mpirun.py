@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import children, spec, sshd
+from ma_runtime import children, spec
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
-from ma_runtime.launch import mpirun, plan
+from ma_runtime.launch import mpirun, plan, sshd
 from ma_runtime.launch.base import RootCause
 from ma_runtime.output import Sink
 from ma_runtime.supervise.worker import processes
@@ -329,11 +329,11 @@ exactly when Open MPI kills them.
 @pytest.mark.parametrize("text, cause", [(EXITED, RootCause(2, 3)), (SIGNALLED, RootCause(3, -9)),
                                          (ABORTED, RootCause(1, 5)), ("Traceback ...\nValueError: x", None)])
 def test_the_root_cause_is_the_rank_mpiruns_summary_names(text, cause):
-    assert mpirun.root_cause(["rank 0 says hello", *text.splitlines()]) == cause
+    assert mpirun.LAUNCHER.root_cause(["rank 0 says hello", *text.splitlines()]) == cause
 
 
 def test_the_last_summary_wins():
-    assert mpirun.root_cause([*ABORTED.splitlines(), *EXITED.splitlines()]) == RootCause(2, 3)
+    assert mpirun.LAUNCHER.root_cause([*ABORTED.splitlines(), *EXITED.splitlines()]) == RootCause(2, 3)
 
 
 # --------------------------------------------------------------------------- the real mpirun on one node
@@ -370,7 +370,7 @@ def test_real_mpirun_exits_with_the_failed_ranks_code_and_its_summary_names_the_
     output, _ = process.communicate(timeout=60)
 
     assert process.returncode == 3, output
-    assert mpirun.root_cause(output.splitlines()) == RootCause(1, 3), output
+    assert mpirun.LAUNCHER.root_cause(output.splitlines()) == RootCause(1, 3), output
 
 
 @needs_mpirun
@@ -379,7 +379,7 @@ def test_real_mpirun_signals_each_ranks_group_itself_on_sigterm_and_exits_1(tmp_
     try:
         pids = [_pids(tmp_path / f"rank-{rank}") for rank in (0, 1)]
         table = processes()
-        reached = mpirun.forwards_to(process.pid, table)
+        reached = mpirun.LAUNCHER.forwards_to(process.pid, table)
         # Each rank and the child in its group: mpirun's own children lead the groups it signals.
         assert {pid for pair in pids for pid in pair} <= reached
 
@@ -388,7 +388,7 @@ def test_real_mpirun_signals_each_ranks_group_itself_on_sigterm_and_exits_1(tmp_
     finally:
         process.kill()
     assert process.returncode == 1, output  # its own code after a stop, not the ranks' 7
-    assert mpirun.OWN_CODE_AFTER_STOP is False
+    assert mpirun.LAUNCHER.OWN_CODE_AFTER_STOP is False
     assert not [pid for pair in pids for pid in pair if alive(pid)]
 
 
@@ -592,7 +592,7 @@ def test_the_key_server_refuses_to_serve_a_private_key(tmp_path):
     key = tmp_path / "key"
     subprocess.run([_which("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
 
-    done = subprocess.run([sys.executable, "-m", "ma_runtime.sshd", "--serve-public-key", str(key), "--port",
+    done = subprocess.run([sys.executable, "-m", "ma_runtime.launch.sshd", "--serve-public-key", str(key), "--port",
                            str(free_port()), "--pid-file", str(tmp_path / "pid")],
                           capture_output=True, text=True, timeout=30)
 
@@ -687,6 +687,6 @@ def test_one_node_starts_no_sshd(job):
     job_spec, environ = job()
     before = set(children._SERVICES)
 
-    mpirun.start_services(job_spec, environ, Log(), threading.Event(), [])
+    mpirun.LAUNCHER.start_services(job_spec, environ, Log(), threading.Event(), [])
 
     assert set(children._SERVICES) == before

@@ -124,7 +124,7 @@ def template_two(pods):
 
 
 def prepared(tmp_path, job_spec, environ, pods):
-    """The rank table as `ranktable.prepare` hands it over, without waiting or writing template one."""
+    """The rank table as `ranktable.wait_and_convert` hands it over, without waiting or writing template one."""
     source = tmp_path / "config" / table_model.FILE_NAME
     source.parent.mkdir(exist_ok=True)
     text = json.dumps(template_two(pods))
@@ -141,7 +141,7 @@ SHARED_HOST = [(f"{VJ}-worker-0", "172.16.0.10", [0, 1, 2, 3]), (f"{VJ}-worker-1
 # --------------------------------------------------------------------------- choosing the method
 
 
-@pytest.mark.parametrize("method", ["rtf", "torchrun", "msrun", "plain"])
+@pytest.mark.parametrize("method", plan.METHODS)
 def test_ma_run_method_names_the_method(job, method):
     job_spec, environ = job(MA_RUN_METHOD=method)
     assert plan.choose(job_spec) == (method, f"MA_RUN_METHOD={method}")
@@ -196,8 +196,7 @@ def test_unknown_method_is_a_configuration_error_naming_the_accepted_values(job)
         job(MA_RUN_METHOD="horovod")
     assert caught.value.exit_code == ExitCode.BAD_CONFIGURATION == 78
     assert "MA_RUN_METHOD" in caught.value.reason and "horovod" in caught.value.reason
-    for method in ("rtf", "torchrun", "msrun", "plain"):
-        assert method in caught.value.reason
+    assert ", ".join(plan.METHODS) in caught.value.reason
 
 
 # --------------------------------------------------------------------------- plain
@@ -824,7 +823,7 @@ def test_cli_plan_unknown_method_exits_78_with_one_error_line(cli_env, tmp_path)
     assert result.stdout == ""
     errors = [line for line in result.stderr.splitlines() if "error,exiting" in line]
     assert len(errors) == 1 and "MA_RUN_METHOD" in errors[0] and "horovod" in errors[0]
-    assert all(method in errors[0] for method in ("rtf", "torchrun", "msrun", "plain"))
+    assert ", ".join(plan.METHODS) in errors[0]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "launcher-ran").exists()
 

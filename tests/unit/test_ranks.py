@@ -183,3 +183,21 @@ def test_real_processes_are_read_from_proc():
         child.kill()
         child.wait()
     assert ranks.cmdline(child.pid) == [] and ranks.environ(child.pid) == {}
+
+
+def test_each_launcher_s_declared_words_are_what_tells_its_machinery():
+    """ranks.py reads the words from every registered launcher (launch/base.py Machinery): a launcher's module is
+    the one place that names its programs."""
+    from ma_runtime.launch import registry
+
+    for launcher in registry.launchers():
+        machinery = launcher.MACHINERY
+        for script in machinery.scripts:
+            assert program([f"/venv/bin/{script}", "t.py"]) == launcher.NAME == program([PY, f"/x/{script}"])
+        for module in machinery.modules:
+            assert program([PY, "-m", module, "t.py"]) == launcher.NAME
+        for name in machinery.processes:
+            t = Table()
+            t.add(100, 1, name, [name])
+            t.add(201, 100, "python", ["python", "train.py"], RANK="0")
+            assert t.find({"command": 100}) == {201: (201, "rank 0")}, name

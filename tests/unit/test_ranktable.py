@@ -717,7 +717,7 @@ def test_prepare_writes_template_one_and_gives_the_workers_its_path(tmp_path):
     source.mkdir()
     (source / "jobstart_hccl.json").write_text(golden("two_servers_8", 2))
     log = Log()
-    prepared = ranktable.prepare(spec_for(tmp_path, source), {"VC_TASK_INDEX": "1"}, log)
+    prepared = ranktable.wait_and_convert(spec_for(tmp_path, source), {"VC_TASK_INDEX": "1"}, log)
     target = tmp_path / "mount" / ".ma-runtime" / "rank_table" / "jobstart_hccl.json"
     assert prepared.path == target and prepared.source == source / "jobstart_hccl.json"
     assert json.loads(target.read_text()) == json.loads(golden("two_servers_8", 1))
@@ -734,13 +734,13 @@ def test_prepare_writes_template_one_and_gives_the_workers_its_path(tmp_path):
 @pytest.mark.parametrize("wait, configured", [("off", True), ("auto", False)])
 def test_prepare_does_nothing_when_off_or_unset(tmp_path, wait, configured):
     spec = spec_for(tmp_path, tmp_path / "absent" if configured else None, wait=wait)
-    assert ranktable.prepare(spec, {"VC_TASK_INDEX": "0"}, Log()) is None
+    assert ranktable.wait_and_convert(spec, {"VC_TASK_INDEX": "0"}, Log()) is None
     assert not (tmp_path / "mount").exists()
 
 
 def test_prepare_times_out_on_a_missing_table(tmp_path):
     with pytest.raises(RankTableTimeout, match="last seen: missing"):
-        ranktable.prepare(spec_for(tmp_path, tmp_path / "config", timeout=0), {"VC_TASK_INDEX": "0"}, Log())
+        ranktable.wait_and_convert(spec_for(tmp_path, tmp_path / "config", timeout=0), {"VC_TASK_INDEX": "0"}, Log())
 
 
 # --- pods sharing a host, pods without devices, a local run, the file's layout ----------------------
@@ -943,7 +943,7 @@ def test_wait_fails_at_once_on_what_never_becomes_a_table(tmp_path, make, messag
 def test_prepare_fails_at_once_and_writes_nothing(tmp_path, make, message):
     path = hostile_at(tmp_path, make)
     with FifoReleaser(path), pytest.raises(RankTableError, match=message):
-        ranktable.prepare(spec_for(tmp_path, path.parent, timeout=2), {"VC_TASK_INDEX": "0"}, Log())
+        ranktable.wait_and_convert(spec_for(tmp_path, path.parent, timeout=2), {"VC_TASK_INDEX": "0"}, Log())
     assert not (tmp_path / "mount").exists()
 
 
@@ -1047,7 +1047,7 @@ def test_prepare_never_replaces_a_fifo_at_the_converted_path(tmp_path):
     target.parent.mkdir(parents=True)
     os.mkfifo(target)
     with pytest.raises(RankTableError, match=r"cannot write .*: a FIFO is in the way"):
-        ranktable.prepare(spec, {"VC_TASK_INDEX": "0"}, Log())
+        ranktable.wait_and_convert(spec, {"VC_TASK_INDEX": "0"}, Log())
     assert stat.S_ISFIFO(os.lstat(target).st_mode)
     assert [p.name for p in target.parent.iterdir()] == ["jobstart_hccl.json"]
 
@@ -1072,7 +1072,7 @@ def test_prepare_finds_this_node_by_the_task_index_from_a_flag_or_the_job_file(t
     job = tmp_path / "job.yaml"
     job.write_text("task_index: 1\n")
     spec = job_spec.load({"task_index": "1"}, environ) if how == "flag" else job_spec.load({}, environ, str(job))
-    prepared = ranktable.prepare(spec, environ, Log())
+    prepared = ranktable.wait_and_convert(spec, environ, Log())
     assert prepared.node.server_id == "172.16.0.11" and prepared.node.matched_by == "VC_TASK_INDEX"
 
 
@@ -1083,5 +1083,5 @@ def test_the_spec_and_the_node_view_read_the_task_index_by_one_rule(tmp_path):
     (source / "jobstart_hccl.json").write_text(golden("two_servers_8", 2))
     environ = {"MA_HOME": str(tmp_path / "home"), "RANK_TABLE_FILE": str(source), "MA_TASK_INDEX": "1"}
     spec = job_spec.load({}, environ)
-    prepared = ranktable.prepare(spec, environ, Log())
+    prepared = ranktable.wait_and_convert(spec, environ, Log())
     assert spec.task_index == 1 and prepared.node.server_id == "172.16.0.11"

@@ -28,6 +28,7 @@ from ma_runtime.storage import transfer
 from ma_runtime.storage.transfer import journal as journal_module
 from ma_runtime.sync.manifest import Manifest
 from tests.recording import Log
+from tests.uploads import upload_file
 
 URL = "obs://bucket/out/"
 RAW = "@raw@"  # a string value dumped as the bare JSON number after it (1e400, a 30-digit integer)
@@ -335,7 +336,7 @@ def test_the_upload_record_that_crashed_a_resume_is_set_aside_and_the_upload_com
                                   "part_size": 5 << 20, "upload_id": "recorded", "parts": {"x": "e"}}))
     log = Log()
 
-    transfer.upload_file(LocalStore(), source, storage_url.parse(url), options, log)
+    upload_file(LocalStore(), source, storage_url.parse(url), options, log)
 
     assert target.read_bytes() == data
     (warning,) = log.fields("record set aside", "warning")

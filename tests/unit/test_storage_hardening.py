@@ -36,6 +36,7 @@ from ma_runtime.storage.base import AccessDenied, NotFound, ObjectInfo, StorageE
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.stores import open_store
 from tests.storage_env import ACCESS_KEY, SECRET_KEY, refusing_endpoint
+from tests.uploads import upload_file
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -331,7 +332,7 @@ def test_a_local_upload_never_replaces_what_is_not_a_file(tmp_path, kind):
     os.mkfifo(target) if kind == "fifo" else target.mkdir()
 
     with pytest.raises(StorageError, match="is in the way"):
-        transfer.upload_file(LocalStore(), source, storage_url.parse(str(target)), options(tmp_path), Log())
+        upload_file(LocalStore(), source, storage_url.parse(str(target)), options(tmp_path), Log())
 
     assert stat.S_ISFIFO(os.lstat(target).st_mode) if kind == "fifo" else target.is_dir()
     assert [path.name for path in target.parent.iterdir()] == ["model.bin"]  # no temporary file left

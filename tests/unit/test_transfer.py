@@ -40,6 +40,7 @@ from ma_runtime.storage.stores import open_store
 from ma_runtime.storage.transfer import journal as journal_module
 from ma_runtime.storage.transfer import upload as upload_module
 from tests.recording import Log, Wrapper
+from tests.uploads import upload_file
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -717,7 +718,7 @@ def test_upload_file(source, tmp_path, size):
     counting = CountingStore(source.store())
     source.put("up/", b"")
 
-    info = transfer.upload_file(counting, path, source.location("up/"), options(tmp_path, part_size=5 * MiB), Log())
+    info = upload_file(counting, path, source.location("up/"), options(tmp_path, part_size=5 * MiB), Log())
 
     assert source.read("up/model.bin") == data
     assert info.key == source.key("up/model.bin")
@@ -733,14 +734,14 @@ def test_interrupted_multipart_upload_resumes_with_only_the_missing_parts(any_st
     opts = options(tmp_path, workers=1, part_size=5 * MiB, retry_seconds=0.3)
 
     with pytest.raises(TransientError):
-        transfer.upload_file(FailingParts(any_store.store(), 2, TransientError), path, any_store.location("up/x"),
+        upload_file(FailingParts(any_store.store(), 2, TransientError), path, any_store.location("up/x"),
                              opts, Log())
 
     (record_path,) = (tmp_path / "state").glob("*.upload.json")
     assert sorted(json.loads(record_path.read_text())["parts"]) == ["1", "2"]
     counting = CountingStore(any_store.store())
 
-    transfer.upload_file(counting, path, any_store.location("up/x"), opts, Log())
+    upload_file(counting, path, any_store.location("up/x"), opts, Log())
 
     assert (sorted(counting.parts), counting.creates) == ([3, 4, 5], 0)
     assert any_store.read("up/x") == data
@@ -754,7 +755,7 @@ def test_a_failed_multipart_upload_is_aborted(any_store, tmp_path):
     store = FailingParts(any_store.store(), 1, AccessDenied)
 
     with pytest.raises(AccessDenied):
-        transfer.upload_file(store, path, any_store.location("up/x"), options(tmp_path, part_size=5 * MiB), Log())
+        upload_file(store, path, any_store.location("up/x"), options(tmp_path, part_size=5 * MiB), Log())
 
     assert store.aborted
     assert not list((tmp_path / "state").glob("*.upload.json"))
@@ -770,7 +771,7 @@ def test_a_resumed_upload_whose_id_is_gone_starts_over(tmp_path):
     opts = options(tmp_path, workers=1, part_size=5 * MiB, retry_seconds=0.2)
     store = LocalStore()
     with pytest.raises(TransientError):
-        transfer.upload_file(FailingParts(store, 1, TransientError), path, location, opts, Log())
+        upload_file(FailingParts(store, 1, TransientError), path, location, opts, Log())
     (record_path,) = (tmp_path / "state").glob("*.upload.json")
     store.abort_multipart("", str(target), json.loads(record_path.read_text())["upload_id"])
 
@@ -783,7 +784,7 @@ def test_a_resumed_upload_whose_id_is_gone_starts_over(tmp_path):
     gone_id = json.loads(record_path.read_text())["upload_id"]
     log = Log()
 
-    transfer.upload_file(Gone(store), path, location, opts, log)
+    upload_file(Gone(store), path, location, opts, log)
 
     assert target.read_bytes() == data
     assert "upload could not be resumed, starting over" in log.events("warning")
@@ -796,12 +797,12 @@ def test_a_changed_file_starts_a_new_upload_and_drops_the_old_one(tmp_path):
     (tmp_path / "up").mkdir()
     opts = options(tmp_path, workers=1, part_size=5 * MiB, retry_seconds=0.2)
     with pytest.raises(TransientError):
-        transfer.upload_file(FailingParts(LocalStore(), 1, TransientError), path, location, opts, Log())
+        upload_file(FailingParts(LocalStore(), 1, TransientError), path, location, opts, Log())
     new_data = random_bytes(11 * MiB, seed=2)
     path.write_bytes(new_data)  # same size, new mtime: the recorded part 1 is of the old content
     store = FailingParts(CountingStore(LocalStore()), 99, TransientError)
 
-    transfer.upload_file(store, path, location, opts, Log())
+    upload_file(store, path, location, opts, Log())
 
     assert store.aborted and store.inner.creates == 1 and sorted(store.inner.parts) == [1, 2, 3]
     assert (tmp_path / "up" / "x").read_bytes() == new_data

@@ -44,14 +44,14 @@ def torchrun_plan():
 def test_torchruns_failing_rank_gives_the_code_the_reason_and_the_signal(code, exit_code, reason, signal):
     worker = torchrun_worker(SUMMARY.format(code=code))
     outcome = Outcome(returncode=1, exit_code=1, worker=worker)  # torchrun's own 1, whatever the ranks did
-    found = verdict.of(outcome, torchrun_plan(), torchrun.root_cause)
+    found = verdict.of(outcome, torchrun_plan(), torchrun.LAUNCHER.root_cause)
     assert (found.state, found.exit_code, found.rank, found.reason, found.signal) == (
         State.FAILED, exit_code, 1, reason, signal)
 
 
 def test_without_a_summary_torchruns_own_code_stands():
     worker = torchrun_worker("RuntimeError: something else\n")
-    found = verdict.of(Outcome(returncode=1, exit_code=1, worker=worker), torchrun_plan(), torchrun.root_cause)
+    found = verdict.of(Outcome(returncode=1, exit_code=1, worker=worker), torchrun_plan(), torchrun.LAUNCHER.root_cause)
     assert (found.exit_code, found.reason, found.rank) == (1, "the command exited with code 1", None)
 
 

@@ -10,46 +10,20 @@ from typing import Callable, Dict, Optional
 
 from ma_runtime import records
 from ma_runtime.storage.base import FileChanged, NotFound, ObjectInfo, StorageError, TransientError
-from ma_runtime.storage.progress import MB, Progress
+from ma_runtime.storage.progress import Progress
 from ma_runtime.storage.transfer.journal import valid_upload
 from ma_runtime.storage.transfer.options import MiB, TransferOptions
 from ma_runtime.storage.transfer.retry import Calls
 from ma_runtime.storage.transfer.utils import (
     name_digest,
-    naming_the_store,
-    object_url,
     oserror_text,
     remove,
     write_json,
 )
-from ma_runtime.storage.url import Location
 
 # S3's multipart limits (OBS's are looser): parts of at least 5 MiB but the last, at most 10 000 parts.
 MIN_UPLOAD_PART = 5 * MiB
 MAX_UPLOAD_PARTS = 10_000
-
-
-def upload_file(store, path: Path, location: Location, options: TransferOptions, log) -> ObjectInfo:
-    """Uploads one file: a single PUT below `large_threshold`, else a resumable multipart upload."""
-    started = time.monotonic()
-    path = Path(path).absolute()
-    key = location.key + path.name if location.is_prefix else location.key
-    url = object_url(location, key)
-    try:
-        stats = path.stat()
-        calls = Calls(options, log)
-        if stats.st_size < options.large_threshold:
-            info = calls(store.put_file, location.bucket, key, str(path))
-        else:
-            info = Multipart(store, location.bucket, key, url, path, stats, options, log).run()
-    except StorageError as exc:
-        raise naming_the_store(exc, store, location) from exc
-    except OSError as exc:
-        raise StorageError(f"{path} -> {url}: {oserror_text(exc)}") from exc
-    seconds = time.monotonic() - started
-    log.info("upload completed", url=url, path=str(path), bytes=stats.st_size, seconds=round(seconds, 3),
-             rate_mb_s=round(stats.st_size / MB / max(seconds, 1e-6), 1))
-    return info
 
 
 class Multipart:

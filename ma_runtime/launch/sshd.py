@@ -20,7 +20,7 @@ Everything lives in one private folder of this node (0700), `folder(spec)`, unde
   Without them, keys made for the job (`_job_key`): worker-0, lacking a private key, makes an ed25519 pair
   there (`id_job_ed25519`), adds its public half to its authorized_keys and serves that public half, and
   nothing else, on MA_RUNTIME_MPI_KEY_PORT (default MY_SSHD_PORT + 1) from a key server, the job's service
-  like sshd (`python -m ma_runtime.sshd --serve-public-key`); every other node lacking authorized_keys
+  like sshd (`python -m ma_runtime.launch.sshd --serve-public-key`); every other node lacking authorized_keys
   fetches it from there (`_fetch_job_key`, waiting like peers.reach_all) before its sshd starts. The trust:
   the key served by the host named worker-0, i.e. the cluster's DNS, what ssh without host-key checks
   already trusts; the private key never leaves worker-0. Mounted files win: nothing is made or fetched for
