@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.storage_env"]
+pytest_plugins = ["tests.storage_env", "tests.suite_plugin"]  # suite_plugin: timing, skips, strict
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
