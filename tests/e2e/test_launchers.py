@@ -237,12 +237,10 @@ def test_rtf_starts_one_process_per_npu_with_its_env_and_proc_log(job_env, tmp_p
 def test_rtf_the_first_failing_rank_stops_the_others_and_decides_the_code(job_env, tmp_path):
     env = npu_job(job_env, tmp_path, MA_RUNTIME_STOP_GRACE_SECONDS=5)
     script = 'if [ "$RANK_ID" = 3 ]; then sleep 0.5; exit 7; fi; exec sleep 120'
-    started = time.monotonic()
 
-    done = run_ma(["sh", "-c", script], env, timeout=60)
+    done = run_ma(["sh", "-c", script], env, timeout=60)  # under the others' 120 s: waiting for them fails here
 
     assert done.returncode == 7, done.stderr[-2000:]
-    assert time.monotonic() - started < 30
     assert "a worker failed: stopping the others" in done.stderr
     message = termination(env)
     assert (message["exit_code"], message["rank"]) == (7, 3)
