@@ -84,6 +84,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.stash[_TIMES] = defaultdict(float)
     config.stash[_SKIPS] = Counter()
+    config.stash[_STRICT_FILES] = []
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,14 +102,20 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
-    """A whole file skipped at import (`pytest.importorskip` at the top) is a failure in strict mode too."""
+    """A whole file skipped at import (`pytest.importorskip` at the top) is counted, and in strict mode fails the
+    run at its end (a collection error would stop every other file from running)."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and strict():
+    if report.skipped:
         reason = _skip_reason(report)
-        if not expected_skip(reason):
-            report.outcome = "failed"
-            report.longrepr = _strict_message(reason)
+        collector.config.stash[_SKIPS][reason] += 1
+        if strict() and not expected_skip(reason):
+            collector.config.stash[_STRICT_FILES].append(f"{report.nodeid}: {_strict_message(reason)}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.stash.get(_STRICT_FILES, []) and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -138,6 +145,10 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("skips per reason")
         for reason, count in skips.most_common():
             write(f"{count:5d}  {reason}{'  (expected here)' if expected_skip(reason) else ''}")
+    if config.stash[_STRICT_FILES]:
+        terminalreporter.section("files skipped at import: failures in strict mode")
+        for line in config.stash[_STRICT_FILES]:
+            write(line)
     left_out = config.stash.get(_LEFT_OUT, [])
     if left_out:
         terminalreporter.section(f"left out on Python {sys.version_info[0]}.{sys.version_info[1]} (--second-python)")
@@ -148,6 +159,7 @@ def pytest_terminal_summary(terminalreporter, config):
 _TIMES = pytest.StashKey()
 _SKIPS = pytest.StashKey()
 _LEFT_OUT = pytest.StashKey()
+_STRICT_FILES = pytest.StashKey()
 
 
 def _on_second_python(path: str) -> bool:
