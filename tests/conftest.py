@@ -21,7 +21,7 @@ from ma_runtime.spec.jobfile import CONFIG_ENV
 from ma_runtime.spec.table import VARIABLES
 from ma_runtime.supervise.guard import LINEAGE_ENV
 
-pytest_plugins = ["tests.storage_env"]
+pytest_plugins = ["tests.storage_env", "tests.suite_plugin"]  # suite_plugin: timing, skips, strict
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

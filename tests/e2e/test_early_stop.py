@@ -41,13 +41,11 @@ def test_a_stop_during_the_rank_table_wait_ends_the_run_at_once(job_env, tmp_pat
     if as_pid1 and not can_unshare_pid():
         pytest.skip("needs unshare --pid (root)")
     runtime, target, log = waiting_runtime(job_env, tmp_path, as_pid1)
-    started = time.monotonic()
 
     subprocess.run(["kill", f"-{int(signum)}", str(target)], check=True)
     out, err = runtime.communicate(timeout=30)
 
-    assert runtime.returncode == 128 + signum
-    assert time.monotonic() - started < 10
+    assert runtime.returncode == 128 + signum  # within communicate's 30 s: a stop that waited the stage out fails
     assert "RAN" not in out and "Traceback" not in err
     assert f"stopped by {signal.Signals(signum).name} before the command started" in err
     message = json.loads(next(log.glob("*-termination.json")).read_text())

@@ -63,17 +63,17 @@ def test_torchrun_two_ranks_one_in_a_barrier_one_blocked_is_found_and_the_blocke
 
 
 def _has_mpi4py() -> bool:
-    python = TORCH_BIN / "python"  # the job's interpreter (the test venv's), whichever Python runs the runtime
+    python = TORCH_BIN / "python"  # the job's interpreter: the one running the tests, as for the runtime
     return python.exists() and subprocess.run([str(python), "-c", "import mpi4py"], capture_output=True).returncode == 0
 
 
 @pytest.mark.skipif(not shutil.which("mpirun") or not _has_mpi4py(),
-                    reason="needs Open MPI's mpirun and mpi4py in .venv (scripts/test.sh installs both)")
+                    reason="needs Open MPI's mpirun and mpi4py beside the test interpreter (scripts/test.sh: both)")
 def test_mpirun_one_rank_busy_polling_in_a_barrier_one_blocked_is_found_and_the_blocked_rank_named(job_env, tmp_path):
     env = hang_env(job_env, tmp_path, MODE="mpi", MA_RUN_METHOD="mpirun", MY_MPI_SLOTS=2, OMPI_ALLOW_RUN_AS_ROOT=1,
                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, OMPI_MCA_rmaps_base_oversubscribe=1)
 
-    result = run_ma(["python", str(JOB)], env, timeout=240)  # .venv's python, first on PATH
+    result = run_ma(["python", str(JOB)], env, timeout=240)  # the test interpreter's python, first on PATH
 
     reason = assert_found_naming_rank_1(env, result)
     # Open MPI spins a core in MPI_Barrier: rank 0 is busy without IO, rank 1 idle, and mpirun itself not counted.

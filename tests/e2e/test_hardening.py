@@ -206,9 +206,8 @@ def test_a_kubernetes_path_that_is_a_fifo_or_a_device_neither_blocks_nor_is_repl
     if special == "fifo":
         os.mkfifo(path)
     job_env["MA_RUNTIME_TERMINATION_LOG"] = str(path)
-    started = time.monotonic()
-    result = run_ma(["sh", "-c", "exit 6"], job_env, timeout=60)
-    assert result.returncode == 6 and time.monotonic() - started < 30
+    result = run_ma(["sh", "-c", "exit 6"], job_env, timeout=60)  # a blocked open of the fifo fails here
+    assert result.returncode == 6
     assert path.is_fifo() if special == "fifo" else path.is_char_device()
     assert termination(job_env)["exit_code"] == 6
 
@@ -227,10 +226,8 @@ def test_a_task_log_path_that_is_a_fifo_is_refused_with_78(job_env):
 
 def test_a_last_line_of_16_kib_of_dashes_does_not_delay_the_exit(job_env):
     script = "import sys; sys.stderr.write('-' * 16384 + '\\n'); sys.exit(1)"
-    started = time.monotonic()
-    result = run_ma([sys.executable, "-c", script], job_env, timeout=60)
+    result = run_ma([sys.executable, "-c", script], job_env, timeout=60)  # it took 104 s: that fails here
     assert result.returncode == 1
-    assert time.monotonic() - started < 30  # it took 104 s: a hang guard, not a speed test
     assert termination(job_env)["tail"][-1].startswith("----")
 
 

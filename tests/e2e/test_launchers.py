@@ -1,8 +1,8 @@
 """The real launchers under `ma-run`: torchrun (gloo) and msrun (MindSpore CPU) on one node.
 
-torchrun comes from the test venv (`pip install torch==2.13.0`, scripts/test.sh), msrun from
-`.venv-ms` (MindSpore apart from the runtime, as a job's own interpreter would be). Tests skip
-with the reason when either is missing.
+torchrun comes from the venv of the interpreter running the tests (`pip install torch==2.13.0`,
+scripts/test.sh), msrun from `.venv-ms` (MindSpore apart from the runtime, as a job's own interpreter
+would be). Tests skip with the reason when either is missing.
 """
 
 import json
@@ -20,8 +20,12 @@ from ma_runtime.launch import registry
 from tests.conftest import MA_RUN, ROOT, alive, free_port, run_ma
 
 JOBS = ROOT / "tests" / "e2e" / "jobs"
-TORCH_BIN = ROOT / ".venv" / "bin"
+# The job's tools (torchrun, python with torch, mpi4py and lightning) are the running interpreter's: found beside
+# it, whatever venv runs the suite and wherever it lies, never by the repository's layout.
+TORCH_BIN = Path(sys.executable).parent
 MS_BIN = ROOT / ".venv-ms" / "bin"
+# torch 2.13 (and Lightning and the Trainer on it) needs Python >= 3.10: on the 3.9 pass its tests skip, expectedly.
+_NO_TORCH_WHEEL = " (no wheel for Python 3.9)" if sys.version_info < (3, 10) else ""
 
 
 def _has(binary: Path, module: str) -> bool:
@@ -31,7 +35,8 @@ def _has(binary: Path, module: str) -> bool:
 
 
 needs_torch = pytest.mark.skipif(not _has(TORCH_BIN / "torchrun", "torch"),
-                                 reason="torch is not installed in .venv (scripts/test.sh installs torch==2.13.0)")
+                                 reason=f"torch is not installed beside {sys.executable} (scripts/test.sh installs "
+                                        f"torch==2.13.0){_NO_TORCH_WHEEL}")
 needs_mindspore = pytest.mark.skipif(not _has(MS_BIN / "msrun", "mindspore"),
                                      reason="MindSpore is not installed in .venv-ms (scripts/test.sh installs it)")
 
@@ -233,12 +238,10 @@ def test_rtf_starts_one_process_per_npu_with_its_env_and_proc_log(job_env, tmp_p
 def test_rtf_the_first_failing_rank_stops_the_others_and_decides_the_code(job_env, tmp_path):
     env = npu_job(job_env, tmp_path, MA_RUNTIME_STOP_GRACE_SECONDS=5)
     script = 'if [ "$RANK_ID" = 3 ]; then sleep 0.5; exit 7; fi; exec sleep 120'
-    started = time.monotonic()
 
-    done = run_ma(["sh", "-c", script], env, timeout=60)
+    done = run_ma(["sh", "-c", script], env, timeout=60)  # under the others' 120 s: waiting for them fails here
 
     assert done.returncode == 7, done.stderr[-2000:]
-    assert time.monotonic() - started < 30
     assert "a worker failed: stopping the others" in done.stderr
     message = termination(env)
     assert (message["exit_code"], message["rank"]) == (7, 3)

@@ -115,11 +115,9 @@ def test_a_stop_during_the_backoff_ends_the_job_at_once(job_env, tmp_path):
     while "backoff_s=60" not in (task_log(env).read_text() if task_log(env).exists() else ""):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    stopped_at = time.monotonic()
     runtime.send_signal(signal.SIGTERM)
-    out, err = runtime.communicate(timeout=30)
+    out, err = runtime.communicate(timeout=30)  # under the 60 s backoff: a runtime that waited it out fails here
     assert runtime.returncode == 143, err
-    assert time.monotonic() - stopped_at < 10  # not the 60 s backoff
     assert attempts_seen(env) == [1, 2]
     message = termination(env)
     assert (message["stage"], message["reason"]) == ("restart", "stopped by SIGTERM between attempts 2 and 3")
@@ -162,11 +160,9 @@ def test_a_stop_during_the_device_wait_ends_the_job_at_once(job_env, tmp_path):
             task_log(env).read_text() if task_log(env).exists() else ""):
         assert time.monotonic() < deadline, "the runtime never waited for the devices"
         time.sleep(0.05)
-    stopped_at = time.monotonic()
     runtime.send_signal(signal.SIGTERM)
-    out, err = runtime.communicate(timeout=30)
+    out, err = runtime.communicate(timeout=30)  # under the 300 s device wait: one that waited it out fails here
     assert runtime.returncode == 143, err
-    assert time.monotonic() - stopped_at < 10  # not the 300 s device wait
     assert attempts_seen(env) == [1]
     assert "NPU 0 pid" in task_log(env).read_text()
     message = termination(env)

@@ -41,8 +41,9 @@ from tests.conftest import MA_RUN, alive, can_unshare_pid, log_dir, marked, name
 
 pytest.importorskip("ma_runtime.storage.obs")
 
-# Generous: the old behaviour took 60 s (a socket timeout), 30 s (the backoff) or forever (a dropped stop).
-STOPPED_WITHIN = 10.0
+# A bound at the wrong wait, not a speed budget: the old behaviour took 60 s (a socket timeout), 30 s (the backoff)
+# or forever (a dropped stop); a stop that is answered at once stays far under it on any machine.
+STOPPED_WITHIN = 25.0
 
 
 @pytest.fixture

@@ -12,16 +12,17 @@ half-written, a KeyboardInterrupt inside a `finally`), and turns a handler's own
 
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import MA_RUN, alive, marked
-from tests.e2e.test_launchers import JOBS, TORCH_BIN, needs_torch
+from tests.e2e.test_launchers import JOBS, needs_torch
 
 COUNTER = str(JOBS / "count_signals.py")
-PYTHON = str(TORCH_BIN / "python")  # torchrun is found beside the command's interpreter
+PYTHON = sys.executable  # the test interpreter; torchrun is found beside the command's interpreter
 
 
 def start_job(env, directory: Path, *arguments: str) -> subprocess.Popen:

@@ -26,12 +26,12 @@ from ma_runtime.errors import exit_code_of_status
 from tests.conftest import MA_RUN, alive, wait_for_file
 from tests.e2e.test_launchers import JOBS, TORCH_BIN, launcher_env, termination
 
-PYTHON = TORCH_BIN / "python"
+PYTHON = Path(sys.executable)  # the test interpreter, with lightning beside torch
 needs_lightning = pytest.mark.skipif(
     not PYTHON.exists() or subprocess.run(  # found, not imported: importing it takes seconds
         [str(PYTHON), "-c", "import importlib.util, sys; sys.exit(not importlib.util.find_spec('lightning'))"]
     ).returncode != 0,
-    reason="needs lightning (pip install lightning) in .venv")
+    reason=f"needs lightning (pip install lightning) beside {PYTHON}")
 _EXITED = re.compile(r'msg="command exited" .*?exit_code=(-?\d+) returncode=(-?\d+)')
 
 

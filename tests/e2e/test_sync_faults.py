@@ -68,7 +68,8 @@ def test_a_final_sync_past_its_deadline_stops_and_names_what_is_missing(obs_endp
     code, run = run_job(["--config", job, "sh", "-c", MANY_FILES.format(code=command_code)], env, tmp_path)
 
     assert code == expected, run.stderr[-3000:]
-    assert time.monotonic() - started < 40, "the final sync did not stop at its deadline"
+    # A bound at the wrong wait, not a speed budget: the 100 delayed PUTs take 50 s at least past the deadline.
+    assert time.monotonic() - started < 50, "the final sync did not stop at its deadline"
     assert "trained" in run.stdout and "Traceback" not in run.stderr
     assert events(run.stderr, "final sync incomplete")
     not_synced = events(run.stderr, "not synced")

@@ -396,7 +396,7 @@ def test_endless_faults_fail_cleanly_after_retry_seconds(proxy, obs_endpoint, se
     with pytest.raises(TransientError, match=r"failed \d+ times in"):
         download(proxy, obs_endpoint, tmp_path, bucket, retry_seconds=3)
 
-    assert 3 <= time.monotonic() - started < 20
+    assert time.monotonic() - started >= 3  # it retried for the whole budget before giving up
     assert_nothing_wrong_at_final_paths(tmp_path / "dest", expected)
     proxy.disarm()
 

@@ -154,6 +154,6 @@ def test_final_sync_incomplete_gives_the_time_taken_and_the_deadline_apart(obs_e
     assert code == 80, run.stderr[-3000:]
     (incomplete,) = events(run.stderr, "final sync incomplete")
     assert float(incomplete["deadline_s"]) == 60, incomplete
-    assert 0 < float(incomplete["elapsed_s"]) < 30, incomplete
+    assert 0 < float(incomplete["elapsed_s"]) < 60, incomplete  # before the deadline: a bound at the wrong wait
     assert "seconds" not in incomplete, incomplete
     wait_until_gone(env)

@@ -234,7 +234,7 @@ def pending_signals(pid: int) -> int:
 
 @needs_torch
 def test_the_real_torchrun_signals_exactly_the_processes_forwards_to_names(tmp_path):
-    torchrun = TORCH_BIN / "torchrun"  # the project's .venv (Python 3.11) has torch; the 3.9 one does not
+    torchrun = TORCH_BIN / "torchrun"  # beside the test interpreter (torch has no wheel for Python 3.9)
     script, out = tmp_path / "rank.py", tmp_path / "out"
     script.write_text(RANK_SCRIPT)
     out.mkdir()

@@ -65,9 +65,27 @@ def test_a_stop_ends_the_wait():
     assert peers.reach_all([("127.0.0.1", closed_port())], 60, Log(), stopped) == []
 
 
+# The watcher probes every PERIOD_S (1 s); these tests run it probing every 0.1 s, so that what takes the
+# watcher GONE_AFTER probes takes 0.3 s here. The windows and the counts it is tested against are unchanged.
+PERIOD_S = 0.1
+
+
 def watcher(endpoints, appear, command=(), gone_seconds=None, **kwargs):
-    return subprocess.Popen(peers.watcher_argv(endpoints, appear, command, gone_seconds), stderr=subprocess.PIPE,
-                            text=True, **kwargs)
+    argv = peers.watcher_argv(endpoints, appear, command, gone_seconds)
+    module = argv.index("-m")
+    assert argv[module + 1] == peers.__name__
+    argv[module:module + 2] = ["-c", f"import sys, {peers.__name__} as peers; peers.PERIOD_S = {PERIOD_S}; "
+                                     "sys.exit(peers.main())"]
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def probed(server: socket.socket, timeout: float = 30.0) -> None:
+    """Returns once the watcher has reached `server` (its probe is a connection): the node was seen answering."""
+    server.settimeout(timeout)
+    connection, _ = server.accept()
+    with connection:  # closed after the probe's own close: the TIME_WAIT is the watcher's, the port free to bind
+        connection.settimeout(timeout)
+        connection.recv(1)
 
 
 def test_the_watcher_ends_its_command_and_succeeds_once_the_watched_node_is_gone(tmp_path):
@@ -76,7 +94,7 @@ def test_the_watcher_ends_its_command_and_succeeds_once_the_watched_node_is_gone
     proc = watcher([("127.0.0.1", server.getsockname()[1])], 30,
                    ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 300"])
     wait_for_file(pid_file)
-    time.sleep(1.5)  # seen answering by now
+    probed(server)
     assert proc.poll() is None  # the node still answers: the command keeps running
     server.close()
     _, stderr = proc.communicate(timeout=30)
@@ -88,7 +106,7 @@ def test_the_watcher_ends_its_command_and_succeeds_once_the_watched_node_is_gone
 def test_without_a_command_the_watcher_just_ends_when_the_node_goes():
     server = listener()
     proc = watcher([("127.0.0.1", server.getsockname()[1])], 30)
-    time.sleep(1.5)
+    probed(server)
     server.close()
     assert proc.wait(30) == 0
 
@@ -128,15 +146,16 @@ def test_a_node_closed_for_less_than_the_gone_window_is_not_gone_and_one_closed_
     # A TensorFlow worker restarted in place closes its port for a while: the ps must not take that for the end.
     server = listener()
     port = server.getsockname()[1]
-    proc = watcher([("127.0.0.1", port)], 30, ["sleep", "300"], gone_seconds=6)
-    time.sleep(1.5)  # seen answering
+    failed_probes = peers.GONE_AFTER * PERIOD_S + 1.0  # 3 failed probes, and slack: gone without the window
+    proc = watcher([("127.0.0.1", port)], 30, ["sleep", "300"], gone_seconds=failed_probes + 1.5)
+    probed(server)  # seen answering
     server.close()
-    time.sleep(peers.GONE_AFTER * peers.PERIOD_S + 1.5)  # 3 failed probes: gone without the window
+    time.sleep(failed_probes)
     assert proc.poll() is None
     restarted = socket.socket()
     restarted.bind(("127.0.0.1", port))
     restarted.listen(1)
-    time.sleep(1.5)  # answering again: the window starts over
+    probed(restarted)  # answering again: the window starts over
     restarted.close()
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr

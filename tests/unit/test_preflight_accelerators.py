@@ -2,7 +2,6 @@
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -140,10 +139,8 @@ def test_gpu_tool_missing_with_nodes_present(tmp_path):
 
 def test_gpu_tool_hang_times_out(tmp_path):
     job_spec, environ = job(tmp_path, GPU_NODES, FAKE_SMI_HANG="1", MA_RUNTIME_PREFLIGHT_TOOL_TIMEOUT_SECONDS="1")
-    started = time.monotonic()
     result = one(gpu.run(job_spec, environ))
-    # Loose bound: only that the 1 s setting, not the 10 s default, ended the hung tool.
-    assert time.monotonic() - started < 9
+    assert "did not answer within 1 s" in result.hint  # the 1 s setting, not the 10 s default, ended it
     assert (result.status, result.code) == (Status.FAIL, "gpu.tool-timeout")
 
 
@@ -200,9 +197,8 @@ def test_npu_tool_missing_with_nodes_present(tmp_path):
 
 def test_npu_tool_hang_times_out(tmp_path):
     job_spec, environ = job(tmp_path, NPU_NODES, FAKE_SMI_HANG="1", MA_RUNTIME_PREFLIGHT_TOOL_TIMEOUT_SECONDS="1")
-    started = time.monotonic()
     result = one(npu.run(job_spec, environ))
-    assert time.monotonic() - started < 9
+    assert "did not answer within 1 s" in result.hint  # the 1 s setting, not the 10 s default, ended it
     assert (result.status, result.code) == (Status.FAIL, "npu.tool-timeout")
 
 

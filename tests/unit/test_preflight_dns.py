@@ -134,16 +134,13 @@ def test_a_zero_deadline_means_one_round():
 def test_a_hung_lookup_times_out_and_is_never_started_twice():
     lookup = FakeLookup(hang={"hung.job"})
     try:
-        started = time.monotonic()
         outcome = dns.resolve(["hung.job", "ok.job"], timeout=0.2, deadline=1.5, lookup=lookup)
-        elapsed = time.monotonic() - started
     finally:
         lookup.release.set()
     assert outcome.resolved == ["ok.job"]
     assert outcome.unresolved == ["hung.job"]
     assert outcome.errors == {"hung.job": "no answer within 0.2 s"}
     assert lookup.calls["hung.job"] == 1
-    assert elapsed < 10
 
 
 def test_hung_lookups_do_not_starve_the_other_names():
@@ -174,11 +171,9 @@ def test_a_hung_lookup_does_not_keep_the_interpreter_from_exiting():
         "outcome = dns.resolve(['hung.job'], timeout=0.2, deadline=0.5, lookup=lambda name: time.sleep(600))\n"
         "print(outcome.unresolved)\n"
     )
-    started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "['hung.job']"
-    assert time.monotonic() - started < 30
+    assert done.stdout.strip() == "['hung.job']"  # and it exited: the 60 s timeout is under the lookup's 600 s
 
 
 def test_run_passes_for_names_that_resolve(tmp_path):
@@ -197,7 +192,9 @@ def test_invalid_names_fail_near_the_deadline(tmp_path):
     settings = {"MA_RUNTIME_PREFLIGHT_DNS_DEADLINE_SECONDS": "1.5", "MA_RUNTIME_PREFLIGHT_DNS_TIMEOUT_SECONDS": "1"}
     started = time.monotonic()
     (result,) = dns.run(load_spec(tmp_path, tmp_path, **settings), {})
-    assert time.monotonic() - started < 15
+    # A bound at the wrong wait, not a speed budget: without the 1.5 s deadline, the resolver's own timeouts
+    # (5 s a try, two tries, for each of 5 names) would take far longer.
+    assert time.monotonic() - started < 25
     assert (result.status, result.code) == (Status.FAIL, "dns.unresolved")
     assert (result.value, result.threshold, result.unit) == (1, 6, "names")
     assert result.detail["unresolved"] == names

@@ -720,7 +720,9 @@ def test_a_dead_endpoint_fails_within_the_budget_and_one_timeout_naming_it(tmp_p
         transfer.download(store, storage_url.parse("obs://bucket/data/"), tmp_path / "dest",
                           transfer.TransferOptions.from_spec(spec, tmp_path / "state"), Log())
 
-    assert time.monotonic() - started < 2 + 2 + 6  # the budget, one socket timeout, and slack for a busy machine
+    # A bound at the wrong wait, not a speed budget: the SDK's own 60 s socket timeout, which socket_timeout cuts
+    # to the 2 s budget, would take at least 60 s here (and a retry without the budget, forever).
+    assert time.monotonic() - started < 45
     assert endpoint in str(caught.value) and str(caught.value).count("obs://bucket/data/") == 1
 
 

@@ -253,7 +253,9 @@ def any_store(request, tmp_path):
 
 
 def test_tree_of_small_files_and_a_large_file_arrives_identical(source, tmp_path):
-    small_count, large_size, part_size = (2000, 200 * MiB, 32 * MiB) if not source.remote else (300, 40 * MiB, 8 * MiB)
+    # Many small files and a large one in several parts, over 16 workers: what the engine does differently at
+    # scale. Its speed at realistic sizes is benchmarks/storage.py's to measure, not this test's.
+    small_count, large_size, part_size = (600, 64 * MiB, 8 * MiB) if not source.remote else (150, 24 * MiB, 8 * MiB)
     objects = small_tree(small_count)
     objects["models/big.bin"] = random_bytes(large_size, seed=7)
     source.put_many(objects)
@@ -645,7 +647,12 @@ def test_a_corrupt_fetch_is_retried_once(tmp_path, size):
     assert "download verification failed, fetching again" in log.events("warning")
 
 
-def test_transient_errors_are_retried(tmp_path):
+def test_transient_errors_are_retried(tmp_path, monkeypatch):
+    # The real backoff (0.2 s doubling, plus up to 1 s of jitter each time) is 3 s of waiting here, and this test
+    # is about the retries, not their pacing: a 10 ms wait instead. Patched where the retry loop builds it.
+    import tenacity
+
+    monkeypatch.setattr(tenacity, "wait_exponential_jitter", lambda *_, **__: tenacity.wait_fixed(0.01))
     data = random_bytes(10 * MiB, seed=4)
     store = FailAfterReads(MemoryStore({"p/big": data}), "p/big", allowed=0, error=TransientError)
     calls = {"n": 0}
@@ -672,9 +679,9 @@ def test_transient_errors_give_up_after_retry_seconds(tmp_path):
 
     with pytest.raises(TransientError, match=r"failed \d+ times in"):
         transfer.download(store, storage_url.parse("obs://b/p/"), tmp_path / "dest",
-                          options(tmp_path, retry_seconds=1.0), Log())
+                          options(tmp_path, retry_seconds=0.3), Log())
 
-    assert 1.0 <= time.monotonic() - started < 8
+    assert time.monotonic() - started >= 0.3  # it retried for the whole budget before giving up
     assert not (tmp_path / "dest" / "f").exists() and partials(tmp_path / "dest") == []
 
 

@@ -1,12 +1,11 @@
 """Accelerator utilisation for the hang detector: the parsers on real tool output, `utilisation` against the fakes."""
 
 import os
-import time
 
 import pytest
 
 from ma_runtime.supervise import devices
-from tests.unit.test_devices import GENEROUS_S, GPU_NODES, NPU_IDLE, NPU_NODES, fake, job
+from tests.unit.test_devices import GPU_NODES, NPU_IDLE, NPU_NODES, fake, job
 
 GPU_BUSES = ["00000000:07:00.0", "00000000:0F:00.0", "00000000:47:00.0", "00000000:4E:00.0",
              "00000000:87:00.0", "00000000:90:00.0", "00000000:B7:00.0", "00000000:BD:00.0"]
@@ -185,9 +184,7 @@ def test_a_tool_that_says_nothing_usable_is_a_failure(tmp_path, nodes, variables
 @pytest.mark.parametrize("nodes, tool", [(NPU_NODES, "npu-smi"), (GPU_NODES, "nvidia-smi")])
 def test_a_hung_tool_is_a_failure_after_its_timeout(tmp_path, nodes, tool):
     job_spec, environ = job(tmp_path, nodes, FAKE_SMI_HANG="1", MA_RUNTIME_PREFLIGHT_TOOL_TIMEOUT_SECONDS="1")
-    started = time.monotonic()
     found = devices.utilisation(job_spec, environ)
-    assert time.monotonic() - started < GENEROUS_S
     assert found.failure == f"{tool} did not answer within 1 s" and found.devices == {}
 
 
