@@ -8,7 +8,8 @@ so every group of nodes can use the same subnet, and two groups never meet):
 - each command's own UTS namespace (`unshare --uts`), its host name the node's domain name: `ip netns exec`
   gives none, and gloo looks up its own host name, which must resolve to the node's address.
 
-Names as the platform makes them (platform-contract.md §1.2): node i of job J with task T is the instance
+Names as the platform makes them (docs/platform.md, "Environment variables" and "Node addresses"): node i of
+job J with task T is the instance
 `J-T-i`, its domain name `J-T-i.J`. `environment(i)` holds the variables such a node gets (MA_VJ_NAME,
 MA_TASK_NAME, MA_NUM_HOSTS, VC_WORKER_NUM, VC_TASK_INDEX, VC_WORKER_HOSTS, MA_CURRENT_IP,
 MA_CURRENT_INSTANCE_NAME); `start(i, command)` runs a command as node i, with them unless given an environment.
@@ -140,7 +141,7 @@ class Nodes:
         return "".join(line + "\n" for line in lines)
 
     def environment(self, index: int) -> Dict[str, str]:
-        """The platform's variables of node `index` (platform-contract.md §1.2)."""
+        """The platform's variables of node `index` (docs/platform.md, "Environment variables")."""
         node = self.nodes[index]
         count = str(len(self.nodes))
         return {"MA_VJ_NAME": self.job, "MA_TASK_NAME": self.task, "MA_NUM_HOSTS": count, "VC_WORKER_NUM": count,
