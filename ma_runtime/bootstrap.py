@@ -39,7 +39,6 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
     logs.configure(spec_module.early_log_format(os.environ), masker=masker)
     log = logs.get_logger()
     context = RunContext(masker, signals)
-    context.sources = (dict(flags), config_file)
     try:
         spec = spec_module.load(flags, os.environ, config_file)
         if print_config:

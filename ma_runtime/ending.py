@@ -164,7 +164,7 @@ def sync_at_end(context, fields: Dict[str, Any], stop_requested_at: Optional[flo
     log = logs.get_logger()
     deadline = (stop_requested_at or time.monotonic()) + spec.sync_final_seconds
     if context.uploader is None:
-        context.uploader = control.Uploader(*context.sources, log)
+        context.uploader = control.Uploader(spec, log)
     result = context.uploader.final(deadline, stopped_at=workers_stopped_at)
     if result.complete:
         log.info("final sync completed", elapsed_s=result.seconds, files=result.files, bytes=result.bytes)

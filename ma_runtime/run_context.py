@@ -45,7 +45,6 @@ class RunContext:
         self.task_log: Optional[Sink] = None
         self.guard = None
         self.attempt: Optional[attempt_module.Attempt] = None  # the last one started
-        self.sources: Any = ({}, None)  # the flags and job file the spec came from: the uploader loads the same
         self.uploader = None  # sync.control.Uploader, once the command is about to start
         self.synced = False  # the final sync ran
         self.k8s_path = termination.kubernetes_path(os.environ)
@@ -110,7 +109,7 @@ class RunContext:
         if self.uploader is None and self.spec.syncs:
             from ma_runtime.sync import control
 
-            self.uploader = control.Uploader(*self.sources, logs.get_logger())
+            self.uploader = control.Uploader(self.spec, logs.get_logger())
             self.uploader.start()
 
     def record_attempt(self, finished: bool = False) -> None:

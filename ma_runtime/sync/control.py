@@ -18,14 +18,16 @@ while its deadline allows) when the uploader dies before it answered: the multip
 are resumed from their records.
 """
 
+import base64
 import dataclasses
 import json
+import pickle
 import select
 import socket
 import subprocess
 import threading
 import time
-from typing import List, Mapping, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ma_runtime import children
 
@@ -55,8 +57,11 @@ class FinalResult:
 
 
 class Uploader:
-    def __init__(self, flags: Mapping[str, str], config_file: Optional[str], log):
-        self.config = json.dumps({"flags": dict(flags), "config_file": config_file}) + "\n"
+    def __init__(self, spec, log):
+        # The runtime's own JobSpec, whole: loading it again in the uploader could give other outputs (a job file
+        # edited since the start). Pickled: it holds paths, tuples and channels, which JSON would flatten; it
+        # travels from this process to its own child over their private socket pair, so it is trusted.
+        self.config = json.dumps({"spec": base64.b64encode(pickle.dumps(spec)).decode("ascii")}) + "\n"
         self.log = log
         self.proc: Optional[subprocess.Popen] = None
         self.channel: Optional[socket.socket] = None  # the runtime's end of self.proc's socket pair

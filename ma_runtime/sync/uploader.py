@@ -11,8 +11,9 @@ its only control channel: stdout and stderr are the runtime's, for log lines, an
 garble the protocol.
 
 Protocol on the channel, one JSON document per line:
-- to it, first line: `{"flags": {...}, "config_file": ...}`: it loads the same JobSpec as the runtime (same
-  environment, same job file, same flags), so nothing about the job travels on a command line or in a file;
+- to it, first line: `{"spec": <the runtime's JobSpec, pickled, base64>}`: the settings the runtime resolved,
+  whole (a job file edited since the start changes nothing), and nothing about the job on a command line or in a
+  file;
 - to it, when the workers are being stopped: `{"stopping": <time.time()>}` (no answer): from then on a file
   that would replace an object goes up only if a look before the stop found it whole;
 - to it, then: `{"final": <deadline>, "scope": "all" | "logs", "stopped_at": <time.time() or null>}`: the
@@ -34,8 +35,10 @@ each output channel (small files, markers, large files, markers), then the rest 
 """
 
 import argparse
+import base64
 import json
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -77,15 +80,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _serve(config: dict, lines) -> None:
     from ma_runtime import logs
-    from ma_runtime import spec as spec_module
     from ma_runtime.output import Sink
     from ma_runtime.redact import Masker
 
-    # Before the spec: a failure to load it is a line on stderr (structlog's default would print it to stdout).
-    masker = Masker.from_environ()
-    logs.configure(spec_module.early_log_format(os.environ), masker=masker)
-    spec = spec_module.load(config.get("flags") or {}, os.environ, config.get("config_file"))
-    logs.configure(spec.log_format, spec.log_level, masker)
+    spec = pickle.loads(base64.b64decode(config["spec"]))  # from the runtime, our parent: see control.Uploader
+    logs.configure(spec.log_format, spec.log_level, Masker.from_environ())
     log = logs.get_logger()
     try:
         spec.task_log_path.parent.mkdir(parents=True, exist_ok=True)

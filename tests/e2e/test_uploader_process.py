@@ -12,6 +12,7 @@ import time
 import pytest
 
 from ma_runtime import children
+from ma_runtime import spec as spec_module
 from ma_runtime.sync import control
 from tests.e2e.test_sync import (
     Run,
@@ -127,7 +128,7 @@ def test_the_uploader_killed_during_the_final_sync_is_started_again_and_resumes(
 def test_an_uploader_that_dies_at_every_start_ends_the_final_sync_after_a_few_fresh_ones(monkeypatch):
     monkeypatch.setattr(children, "_BOOT", "import os; os._exit(3)")  # a crash loop: no answer will ever come
     log = Log()
-    uploader = control.Uploader({}, None, log)
+    uploader = control.Uploader(spec_module.load({}, os.environ, None), log)
     started = time.monotonic()
     try:
         result = uploader.final(started + 60)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from ma_runtime import errors
+from ma_runtime import spec as spec_module
 from ma_runtime.errors import CommandNotExecutable, exceeds_exec_limits, exec_total_limit, too_large_for_exec
 from ma_runtime.launch import sshd
 from ma_runtime.preflight.model import ToolError, run_tool
@@ -77,7 +78,7 @@ def huge_environment(monkeypatch):
 
 def test_the_uploader_that_cannot_start_says_why_in_one_line(huge_environment):
     log = Log()
-    uploader = control.Uploader({}, None, log)
+    uploader = control.Uploader(spec_module.load({}, os.environ, None), log)
     uploader.start()
     (warning,) = log.fields("the upload process could not be started; files will be synced at the end")
     assert LINE.match(warning["error"]) and "largest: MA_TEST_HUGE (200014 bytes)" in warning["error"]

@@ -1157,7 +1157,7 @@ def uploader_job(tmp_path, monkeypatch):
 
 def test_the_uploader_process_does_the_final_sync_and_close_leaves_no_process(uploader_job, tmp_path):
     job, files = uploader_job
-    uploader = control.Uploader({}, job, Log())
+    uploader = control.Uploader(job_spec.load({}, os.environ, job), Log())
     uploader.start()
     pid = uploader.proc.pid
     try:
@@ -1172,6 +1172,26 @@ def test_the_uploader_process_does_the_final_sync_and_close_leaves_no_process(up
     assert uploader.proc is None
 
 
+def test_the_uploader_syncs_the_outputs_the_runtime_resolved_not_a_job_file_edited_since(uploader_job, tmp_path,
+                                                                                            monkeypatch):
+    # The uploader once loaded the settings again from the flags, the environment and the job file: a job file
+    # (or a variable) changed after the start sent the outputs somewhere the runtime never named.
+    job, files = uploader_job
+    spec = job_spec.load({}, os.environ, job)
+    Path(job).write_text(json.dumps({"outputs": [{"name": "train_url", "url": str(tmp_path / "elsewhere")}]}))
+    monkeypatch.setenv("MA_RUNTIME_LOG_LEVEL", "not-a-level")  # would make a second load fail
+    uploader = control.Uploader(spec, Log())
+    uploader.start()
+    try:
+        result = uploader.final(time.monotonic() + WAIT_SECONDS)
+    finally:
+        uploader.close()
+
+    assert (result.answered, result.missing, result.error) == (True, [], None)
+    assert {r: (tmp_path / "dest" / r).read_bytes() for r in files} == files
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def _ignores(pid: int, signum: int) -> bool:
     with open(f"/proc/{pid}/status") as f:
         ignored = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
@@ -1181,7 +1201,7 @@ def _ignores(pid: int, signum: int) -> bool:
 def test_the_uploader_ignores_terminal_signals_and_ends_by_itself_at_the_end_of_its_channel(uploader_job):
     job, _ = uploader_job
     log = Log()
-    uploader = control.Uploader({}, job, log)
+    uploader = control.Uploader(job_spec.load({}, os.environ, job), log)
     uploader.start()
     proc = uploader.proc
     try:
@@ -1206,7 +1226,7 @@ def test_the_uploader_ignores_terminal_signals_and_ends_by_itself_at_the_end_of_
 def test_an_uploader_that_dies_during_the_final_sync_is_replaced_by_a_fresh_one_that_answers(uploader_job):
     job, _ = uploader_job
     log = Log()
-    uploader = control.Uploader({}, job, log)
+    uploader = control.Uploader(job_spec.load({}, os.environ, job), log)
     uploader.start()
     proc = uploader.proc
     os.kill(proc.pid, signal.SIGSTOP)  # it cannot answer before it is killed
@@ -1230,7 +1250,7 @@ def test_an_uploader_that_dies_during_the_final_sync_is_replaced_by_a_fresh_one_
 def test_the_final_sync_runs_even_when_the_log_folder_is_gone(uploader_job, tmp_path):
     job, files = uploader_job
     (tmp_path / "home" / "modelarts" / "log").rmdir()
-    uploader = control.Uploader({}, job, Log())
+    uploader = control.Uploader(job_spec.load({}, os.environ, job), Log())
     uploader.start()
     try:
         result = uploader.final(time.monotonic() + WAIT_SECONDS)
@@ -1243,7 +1263,7 @@ def test_the_final_sync_runs_even_when_the_log_folder_is_gone(uploader_job, tmp_
 def test_a_killed_uploader_is_restarted_once_then_not_and_the_final_sync_still_runs(uploader_job, tmp_path):
     job, files = uploader_job
     log = Log()
-    uploader = control.Uploader({}, job, log)
+    uploader = control.Uploader(job_spec.load({}, os.environ, job), log)
     uploader.start()
     pids = [uploader.proc.pid]
     try:
