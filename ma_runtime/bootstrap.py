@@ -39,7 +39,8 @@ from ma_runtime.redact import Masker
 from ma_runtime.stagein import Staged, code_dir, stage_in
 from ma_runtime.supervise import attempt_processes
 from ma_runtime.supervise import guard as guard_module
-from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, become_subreaper, is_pid1
+from ma_runtime.supervise.pid1 import become_subreaper, is_pid1
+from ma_runtime.supervise.signals import STOPPING, SignalQueue
 from ma_runtime.supervise.supervisor import State
 from ma_runtime.supervise.worker import SIGNAL_NAMES, descendants, processes, sweep
 

@@ -1,7 +1,7 @@
 """The duties of an init process, one small function each (tini's shape).
 
 - `become_subreaper`: outside a PID namespace, orphans come to us instead of init.
-- `SignalQueue` (supervise/signals.py, light enough to be the CLI's first import):
+- the signal queue is supervise/signals.py's (light enough to be the CLI's first import):
   handlers do nothing but wake the main loop through a pipe (gunicorn's arbiter).
 - `reap`: the single `waitpid(-1)` loop of the process. It records the status of
   the pids the supervisor tracks and discards the rest, so `Popen.wait` never
@@ -16,7 +16,6 @@ import os
 from typing import Dict, Optional, Sequence
 
 from ma_runtime import children
-from ma_runtime.supervise.signals import FORWARDED, STOPPING, SignalQueue  # noqa: F401 - the init duties, in one place
 
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36

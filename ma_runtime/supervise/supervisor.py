@@ -29,7 +29,8 @@ from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Seq
 from ma_runtime import children
 from ma_runtime.errors import ExitCode, exit_code_of_status
 from ma_runtime.supervise import ranks
-from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
+from ma_runtime.supervise.pid1 import reap
+from ma_runtime.supervise.signals import STOPPING, SignalQueue
 from ma_runtime.supervise.worker import SIGNAL_NAMES, Proc, Worker, descendants, kill_all, processes, sweep
 
 # Upper bound on one loop turn, in case a wake-up is ever lost.
@@ -138,7 +139,6 @@ class Supervisor:
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:
             raise ValueError("Supervisor needs at least one worker")
-        self.worker = self.workers[0]  # the single-worker API of old
         self.signals = signals
         self.grace_seconds = grace_seconds
         self.log = log

@@ -69,7 +69,7 @@ DRIVER = textwrap.dedent(r"""
     from ma_runtime import logs, verdict
     from ma_runtime.launch import plain, plan
     from ma_runtime.output import Sink
-    from ma_runtime.supervise.pid1 import SignalQueue
+    from ma_runtime.supervise.signals import SignalQueue
     from ma_runtime.supervise.supervisor import Supervisor
     from ma_runtime.supervise.worker import spawn
 
@@ -79,8 +79,8 @@ DRIVER = textwrap.dedent(r"""
         def _kill_sweep(self, between=lambda: None):
             if not self.told:
                 self.told = True
-                os.kill(self.worker.pid, signal.SIGUSR1)
-                os.waitid(os.P_PID, self.worker.pid, os.WEXITED | os.WNOWAIT)
+                os.kill(self.workers[0].pid, signal.SIGUSR1)
+                os.waitid(os.P_PID, self.workers[0].pid, os.WEXITED | os.WNOWAIT)
             return super()._kill_sweep(between)
 
     ready = sys.argv[1]
