@@ -35,6 +35,8 @@ from ma_runtime.launch import peers, registry
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch.args import build_argv
 from ma_runtime.output import Sink
+from ma_runtime.process.lifecycle import sweep
+from ma_runtime.process.table import descendants, processes
 from ma_runtime.redact import Masker
 from ma_runtime.stagein import Staged, code_dir, stage_in
 from ma_runtime.supervise import attempt_processes
@@ -42,7 +44,7 @@ from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import become_subreaper, is_pid1
 from ma_runtime.supervise.signals import STOPPING, SignalQueue
 from ma_runtime.supervise.supervisor import State
-from ma_runtime.supervise.worker import SIGNAL_NAMES, descendants, processes, sweep
+from ma_runtime.supervise.worker import SIGNAL_NAMES
 
 # How long a wait on the signal queue lasts at most (a wake-up lost would cost no more).
 _TICK = 1.0

@@ -23,10 +23,7 @@ import dataclasses
 import json
 import os
 import re
-import select
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ from ma_runtime.errors import (
 from ma_runtime.files import RECORD_LIMIT, read_regular, write_atomically
 from ma_runtime.launch.args import is_shell_form, last_simple_command
 from ma_runtime.output import Sink
+from ma_runtime.process import lifecycle
 from ma_runtime.redact import Masker
 from ma_runtime.spec import JobSpec
 
@@ -487,43 +485,16 @@ def _supervised(run: _Run, argv: Sequence[str], env: Mapping[str, str], name: st
     except RuntimeFailure as failure:  # not started (E2BIG: what an earlier step exported): the step's failure
         return _Result(int(failure.exit_code), None, [], why=failure.reason, hint=failure.hint)
     seconds = run.spec.hooks_timeout_seconds
-    code = _wait(worker.popen, seconds)
+    code = lifecycle.wait(worker.popen, seconds)
     if code is None:
         run.log.warning(f"{name} timed out: stopping it", timeout_s=seconds, pid=worker.pid)
-        code = _stop(worker, run.spec.stop_grace_seconds)
+        code = lifecycle.exit_code(lifecycle.stop(worker.popen, run.spec.stop_grace_seconds, group=True))
         worker.join_output(1.0)
         return _Result(code or 1, None, tail(worker), why=f"timed out after {seconds:g} s "
                        "(MA_RUNTIME_HOOK_TIMEOUT_SECONDS)")
     worker.join_output(1.0)
-    status = 128 - code if code < 0 else code
     why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    return _Result(status, None, tail(worker), why=why)
-
-
-def _stop(worker, grace: float) -> int:
-    worker.signal_group(signal.SIGTERM)
-    if _wait(worker.popen, grace) is None:
-        worker.signal_group(signal.SIGKILL)
-        worker.popen.wait()
-    return 128 - worker.popen.returncode if worker.popen.returncode < 0 else worker.popen.returncode
-
-
-def _wait(popen: subprocess.Popen, seconds: float) -> Optional[int]:
-    """Its exit status, or None after `seconds`. Blocks on a pidfd: Popen.wait(timeout) looks with sleeps of up
-    to 50 ms between, which every hook's end would wait out (a 30 ms hook took 67 ms)."""
-    try:
-        pidfd = os.pidfd_open(popen.pid)
-    except (AttributeError, OSError):  # Linux before 5.3 (Python 3.9 has the call), or no such process any more
-        try:
-            return popen.wait(seconds)
-        except subprocess.TimeoutExpired:
-            return None
-    try:
-        # Readable once the process has exited (PEP 475: EINTR retried with the time left).
-        ready, _, _ = select.select([pidfd], [], [], seconds)
-    finally:
-        os.close(pidfd)
-    return popen.wait() if ready else None
+    return _Result(lifecycle.exit_code(code), None, tail(worker), why=why)
 
 
 def parse_env_file(text: str) -> Dict[str, str]:

@@ -23,7 +23,8 @@ from typing import Any, List, Mapping, NamedTuple, Optional
 
 from ma_runtime.preflight import accelerator
 from ma_runtime.preflight.accelerator import NPU, NPU_KIND, NPU_MANAGER, Census
-from ma_runtime.preflight.model import Result, Status, ToolError, run_tool
+from ma_runtime.preflight.model import Result, Status
+from ma_runtime.process.lifecycle import ToolError, run_tool
 
 ARGV = ("npu-smi", "info")
 _IN_USE = re.compile(r"device is used|ret is -8020", re.IGNORECASE)

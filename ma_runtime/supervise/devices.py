@@ -41,8 +41,8 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 from ma_runtime.errors import DeviceNotReleased
 from ma_runtime.preflight import accelerator
 from ma_runtime.preflight.accelerator import GPU, first_line
-from ma_runtime.preflight.model import ToolError, run_tool
 from ma_runtime.preflight.npu import HEALTHY, MINOR, row_cells
+from ma_runtime.process.lifecycle import ToolError, run_tool
 
 # npu-smi takes a good part of a second per call and walks every card's driver; asking more often
 # would load the driver the ranks are leaving without ending the wait any sooner.

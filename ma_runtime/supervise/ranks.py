@@ -31,8 +31,8 @@ import os
 import re
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from ma_runtime.process.table import Proc, cmdline, environ
 from ma_runtime.supervise.guard import NAME as GUARD_NAME
-from ma_runtime.supervise.worker import Proc
 
 AGENT_THREAD = "pt_elastic"
 _MPI = frozenset({"mpirun", "mpiexec", "orterun", "orted", "prterun", "prted", "prte", "hydra_pmi_proxy",
@@ -46,8 +46,6 @@ _MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "to
 # Python's options that take the next word as their value.
 _OPTIONS_WITH_VALUE = frozenset({"-X", "-W", "--check-hash-based-pycs"})
 _PYTHON = re.compile(r"python[0-9.]*\Z")
-_CMDLINE_LIMIT = 1 << 16
-_ENVIRON_LIMIT = 1 << 20
 # Which variable says a process's rank, in the order each launcher's ranks are asked: RTF and msrun set RANK_ID
 # (a scheduler may export RANK to every process of a pod), torchrun RANK, Open MPI OMPI_COMM_WORLD_RANK.
 _RANK_FIRST = ("RANK_ID", "RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -192,24 +190,3 @@ def rank_of(variables: Mapping[str, str], worker: str) -> Optional[int]:
         if value.isdigit():
             return int(value)
     return None
-
-
-def cmdline(pid: int) -> List[str]:
-    """The process's command line; empty where it cannot be read (gone, a kernel thread, another user's)."""
-    data = _read(f"/proc/{pid}/cmdline", _CMDLINE_LIMIT)
-    return [word.decode("utf-8", "replace") for word in data.split(b"\0")[:-1]] if data else []
-
-
-def environ(pid: int) -> Dict[str, str]:
-    """The process's initial environment; empty where it cannot be read."""
-    data = _read(f"/proc/{pid}/environ", _ENVIRON_LIMIT)
-    pairs = (entry.split(b"=", 1) for entry in data.split(b"\0") if b"=" in entry)
-    return {key.decode("utf-8", "replace"): value.decode("utf-8", "replace") for key, value in pairs}
-
-
-def _read(path: str, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError:
-        return b""

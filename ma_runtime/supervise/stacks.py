@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ma_runtime import files
-from ma_runtime.preflight.model import ToolError, run_tool
-from ma_runtime.supervise import ranks, worker
+from ma_runtime.process import table as proc_table
+from ma_runtime.process.lifecycle import ToolError, run_tool
+from ma_runtime.supervise import ranks
 
 SITE_DIR = Path(__file__).resolve().parent / "site"
 DIR_ENV = "MA_RUNTIME_STACKS_DIR"
@@ -260,7 +261,7 @@ def dump(registry: Path, out_dir: Path, trees: Dict[str, List[int]], log, timeou
     """The stacks of every registered process of `trees` ({worker name: [leader, its living descendants]}),
     written to `out_dir` (`<label>.txt`, `<label>.py-spy.txt`) and summed up in the task log."""
     registry, out_dir = Path(registry), Path(out_dir)
-    table = worker.processes()
+    table = proc_table.processes()
     procs = _registered(registry, trees)
     missing = [_no_python(name, pids) for name, pids in trees.items()
                if not any(proc.worker == name for proc in procs)]
@@ -300,14 +301,14 @@ def _holds(pid: int, path: Path) -> bool:
         wanted = os.stat(path)
         if not stat.S_ISREG(wanted.st_mode):
             return False
-        fds = os.listdir(f"/proc/{pid}/fd")
+        fds = proc_table.descriptors(pid)
     except PermissionError:
         return True
     except OSError:
         return False
     for fd in fds:
         try:
-            held = os.stat(f"/proc/{pid}/fd/{fd}")
+            held = os.stat(fd)
         except OSError:
             continue
         if (held.st_dev, held.st_ino) == (wanted.st_dev, wanted.st_ino):
@@ -318,7 +319,7 @@ def _holds(pid: int, path: Path) -> bool:
 def _no_python(name: str, pids: Sequence[int]) -> str:
     if not pids:
         return f"worker {name} has no Python stack: it has no living process"
-    comm = _comm(pids[0])
+    comm = proc_table.comm(pids[0])
     if not comm:
         return f"worker {name} (pid {pids[0]}) has no Python stack: it has exited"
     leader = f"pid {pids[0]}, {comm}"
@@ -331,25 +332,11 @@ def _no_python(name: str, pids: Sequence[int]) -> str:
 
 
 def _is_python(pid: int) -> bool:
-    try:
-        program = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        program = _comm(pid)
+    program = proc_table.program(pid) or proc_table.comm(pid)
     return re.match(r"python", program) is not None
 
 
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read().decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
-
-
-_environ = ranks.environ
-
-
-def _label(procs: List[_Proc], trees: Mapping[str, Sequence[int]], table: Mapping[int, worker.Proc]) -> None:
+def _label(procs: List[_Proc], trees: Mapping[str, Sequence[int]], table: Mapping[int, proc_table.Proc]) -> None:
     """`rank <r>` for a rank, `pid <p> (<comm>)` for any other process: unique, in tree order."""
     found = {proc.pid: _rank_of(proc) for proc in procs}
     taken = set()
@@ -361,12 +348,12 @@ def _label(procs: List[_Proc], trees: Mapping[str, Sequence[int]], table: Mappin
             rank = None
         label = f"rank {rank}" if rank is not None else ""
         if not label or label in taken:
-            label = f"pid {proc.pid} ({_comm(proc.pid) or '?'})"
+            label = f"pid {proc.pid} ({proc_table.comm(proc.pid) or '?'})"
         taken.add(label)
         proc.label = label
 
 
-def _ancestors(pid: int, table: Mapping[int, worker.Proc]) -> List[int]:
+def _ancestors(pid: int, table: Mapping[int, proc_table.Proc]) -> List[int]:
     found: List[int] = []
     parent = table[pid].ppid if pid in table else 0
     while parent in table and parent not in found:
@@ -386,7 +373,7 @@ def _rank_of(proc: _Proc) -> Optional[str]:
 def _rank(pid: int, worker_name: str) -> Optional[str]:
     """The rank a process's initial environment gives it (ranks.rank_of). The trees hold the ranks and theirs, no
     launcher (supervise/ranks.py); msrun's scheduler, which runs the user's script with RANK_ID=0, is no rank."""
-    environ = _environ(pid)
+    environ = proc_table.environ(pid)
     if environ.get("MS_ROLE") == "MS_SCHED":
         return None
     rank = ranks.rank_of(environ, worker_name)
@@ -450,7 +437,7 @@ def _read_dump(proc: _Proc) -> Optional[str]:
 
 
 def _silent(proc: _Proc, timeout: float) -> str:
-    state = worker.processes().get(proc.pid)
+    state = proc_table.processes().get(proc.pid)
     if state is None:
         why = "it has exited"
     else:

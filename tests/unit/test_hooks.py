@@ -8,6 +8,7 @@ import pytest
 
 from ma_runtime import hooks
 from ma_runtime.hooks import Env, boot_file, diff, job_python, parse_env_file
+from ma_runtime.process import lifecycle
 
 
 def test_the_difference_is_what_changed_and_what_went_but_not_the_shells_own():
@@ -103,7 +104,7 @@ def test_a_hooks_end_is_waited_for_without_polling(monkeypatch):
         raise AssertionError("polled")
 
     monkeypatch.setattr(time, "sleep", no_sleeping)
-    assert hooks._wait(proc, 30) == 0
+    assert lifecycle.wait(proc, 30) == 0
 
 
 def test_waiting_for_a_hook_gives_up_at_the_timeout():
@@ -111,7 +112,7 @@ def test_waiting_for_a_hook_gives_up_at_the_timeout():
 
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        assert hooks._wait(proc, 0.1) is None
+        assert lifecycle.wait(proc, 0.1) is None
     finally:
         proc.kill()
         proc.wait()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime.supervise import stacks, worker
+from ma_runtime.process import table as proc_table
+from ma_runtime.supervise import stacks
 from tests.conftest import alive
 from tests.recording import Log
 
@@ -105,7 +106,7 @@ class Job:
             time.sleep(0.01)
 
     def tree(self, leader: int):
-        return [leader, *worker.descendants(leader)]
+        return [leader, *proc_table.descendants(leader)]
 
     def dump(self, trees, **kwargs):
         log = Log()
@@ -115,7 +116,7 @@ class Job:
 
     def stop(self):
         for proc in self.procs:
-            for pid in [*worker.descendants(proc.pid), proc.pid]:
+            for pid in [*proc_table.descendants(proc.pid), proc.pid]:
                 for signum in (signal.SIGKILL, signal.SIGCONT):
                     try:
                         os.kill(pid, signum)
@@ -180,8 +181,8 @@ def test_a_ranks_helper_inherits_its_rank_variable_but_is_not_a_rank(job):
     [helper_label] = set(found.where) - {"rank 0", "rank 1"}
     assert set(found.where) == {helper_label, "rank 0", "rank 1"}
     helper = int(helper_label.split()[1])
-    assert helper_label == f"pid {helper} ({stacks._comm(helper)})"
-    assert worker.processes()[helper].ppid != agent  # the rank's helper, not a rank the agent started
+    assert helper_label == f"pid {helper} ({proc_table.comm(helper)})"
+    assert proc_table.processes()[helper].ppid != agent  # the rank's helper, not a rank the agent started
     # Only the ranks are compared: the helper waits where it does without being odd.
     assert found.odd == [] and found.describe().startswith("every rank is in train.py:9 in wait_forever")
     assert "rank-0.txt" in sorted(os.listdir(job.out))
@@ -201,7 +202,7 @@ def test_msrun_s_scheduler_is_not_rank_0_and_its_ranks_come_from_rank_id(job):
     assert ranks == ["rank 0", "rank 1", "rank 2"] and len(found.where) == 4
     assert found.odd == ["rank 2"] and found.usual_count == 2
     [rank_0] = [f["pid"] for f in log.fields("stack of a hung process") if f["process"] == "rank 0"]
-    assert stacks._environ(rank_0)["MS_ROLE"] == "MS_WORKER"
+    assert proc_table.environ(rank_0)["MS_ROLE"] == "MS_WORKER"
 
 
 def test_a_rank_started_by_a_shell_wrapper_with_the_same_variables_is_still_the_rank(job):
@@ -245,7 +246,7 @@ def test_a_process_that_exec_d_another_program_is_not_signalled(job):
     pid = job.start("exec")
     job.wait_ready(1)
     deadline = time.monotonic() + GENEROUS_S
-    while stacks._comm(pid) != "sleep":
+    while proc_table.comm(pid) != "sleep":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert (job.registry / str(pid)).exists()
