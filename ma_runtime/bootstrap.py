@@ -109,7 +109,7 @@ def _prepare(spec: spec_module.JobSpec, first, log, command: Sequence[str], cont
              stopped: threading.Event) -> _Prepared:
     """Preflight, stage-in, the hooks, the rank table, the launcher's services: once per run, in the stage
     thread."""
-    from ma_runtime import hooks
+    from ma_runtime.hooks import stage as hooks
 
     _preflight(spec, log)
     staged = stage_in(spec, os.environ, log, first.number)  # a later attempt reuses what was staged

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import hooks
-from ma_runtime.hooks import Env, boot_file, diff, job_python, parse_env_file
+from ma_runtime.hooks import pip
+from ma_runtime.hooks.env import Env, diff, job_python, parse_env_file
+from ma_runtime.hooks.pre_start import boot_file
 from ma_runtime.process import lifecycle
 
 
@@ -76,10 +77,10 @@ def test_the_jobs_python(tmp_path):
 
 
 def test_the_index_is_the_platforms_unless_the_job_chose_one():
-    assert hooks._index_options({"MA_PIP_URL": "http://repo/simple/", "MA_PIP_HOST": "repo"}) == [
+    assert pip._index_options({"MA_PIP_URL": "http://repo/simple/", "MA_PIP_HOST": "repo"}) == [
         "--index-url", "http://repo/simple/", "--trusted-host", "repo"]
-    assert hooks._index_options({"MA_PIP_URL": "http://repo/simple/", "PIP_INDEX_URL": "https://mine/"}) == []
-    assert hooks._index_options({}) == []
+    assert pip._index_options({"MA_PIP_URL": "http://repo/simple/", "PIP_INDEX_URL": "https://mine/"}) == []
+    assert pip._index_options({}) == []
 
 
 def test_a_bad_line_is_not_repeated_since_it_may_hold_a_secret():
