@@ -9,11 +9,13 @@ directly, each for a reason given where it is read:
   has no process group, which every stop needs;
 - a process's environment and command line: bounded reads (an environment may be megabytes; psutil reads it
   whole), on the same no-psutil paths (the guard, the rank finder);
-- its descriptors: psutil lists regular files only, and the guard looks for pipes;
+- its descriptors: psutil lists regular files only, and the guard looks for pipes; their open flags (fdinfo),
+  for the few files the sync asks about rather than every file of every process;
 - its threads' run-queue wait (schedstat) and our own argument area: psutil gives neither.
 
 Reads never raise for a process that vanished or cannot be examined: they answer "nothing" (an empty list, None),
-as each function says.
+as each function says; `pids` and `descriptors` alone raise OSError, for callers that tell "gone" from "not
+allowed" (the sync's "cannot tell").
 """
 
 import os
@@ -116,6 +118,39 @@ def descriptors(pid: int) -> List[str]:
     OSError (PermissionError: another user's, without CAP_SYS_PTRACE) where they cannot be listed."""
     folder = f"/proc/{pid}/fd"
     return [f"{folder}/{name}" for name in os.listdir(folder)]
+
+
+def pids() -> List[int]:
+    """Every pid /proc lists, zombies too. Raises OSError where /proc cannot be listed."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def owner(pid: int) -> Optional[int]:
+    """The uid the process runs as; None once it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def descriptor_flags(descriptor: str) -> Optional[int]:
+    """The open flags (O_WRONLY, O_RDWR, ...) of a `descriptors` path, from its fdinfo; None where it cannot be read
+    (gone meanwhile). Not psutil's open_files, which stats and reads the fdinfo of every regular file of every
+    process: the sync (sync/writers.py) asks about the few under its folder that changed; its whole look took
+    5.7 ms of CPU for 528 descriptors, psutil's 9.6 ms (load 4.4)."""
+    folder, _, fd = descriptor.rpartition("/fd/")
+    try:
+        with open(f"{folder}/fdinfo/{fd}", "rb") as info:
+            lines = info.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(b"flags:"):
+            try:
+                return int(line.split(b":", 1)[1].strip(), 8)
+            except ValueError:
+                return None
+    return None
 
 
 def holds_pipe(pid: int, inodes) -> bool:

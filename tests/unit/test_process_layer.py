@@ -119,3 +119,20 @@ def test_the_table_reads_a_childs_line_environment_command_line_and_descriptors(
 def test_our_own_argument_area_is_read():
     start, end = table.argument_area()
     assert 0 < start < end
+
+
+def test_the_table_tells_who_holds_a_file_open_for_writing(tmp_path):
+    path = tmp_path / "written.bin"
+    writer = "import sys, time; f = open(sys.argv[1], 'wb'); print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert proc.pid in table.pids() and table.owner(proc.pid) == os.getuid()
+        held = [fd for fd in table.descriptors(proc.pid) if os.path.realpath(fd) == str(path.resolve())]
+        assert len(held) == 1
+        assert table.descriptor_flags(held[0]) & os.O_ACCMODE == os.O_WRONLY
+    finally:
+        lifecycle.stop(proc, 10)
+    assert table.owner(proc.pid) is None and table.descriptor_flags(held[0]) is None
+    with pytest.raises(OSError):
+        table.descriptors(proc.pid)
