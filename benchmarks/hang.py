@@ -227,7 +227,7 @@ class Job:
     threads each (no IO, no CPU once started), ready once every rank shows all its threads."""
 
     def __init__(self, count: int, threads: int):
-        from ma_runtime.supervise.worker import processes
+        from ma_runtime.process.table import processes
 
         self.count, self.threads = count, threads
         self.agent = subprocess.Popen([sys.executable, "-c", AGENT_SOURCE, str(count), str(threads), RANK_SOURCE],
@@ -277,8 +277,8 @@ class Periods:
     def __init__(self, scratch: Path, job: Job):
         from ma_runtime import children
         from ma_runtime import spec as spec_module
+        from ma_runtime.process.table import processes
         from ma_runtime.supervise import devices, hang, ranks
-        from ma_runtime.supervise.worker import processes
 
         self.util_file = scratch / "util"
         self.util_file.write_text("0")

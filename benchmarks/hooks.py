@@ -11,14 +11,14 @@ polls with sleeps of up to 50 ms and would round every figure up to its next pol
 (benchmarks/_harness.py), min/median/max over the rounds with the 1-minute load beside each.
 
 sourced     The sourcing machinery: bash sources the file between two JSON dumps of the environment made by
-            the runtime's python with `-I -S` (ma_runtime/hooks.py). Rows:
+            the runtime's python with `-I -S` (ma_runtime/hooks/running.py). Rows:
               ma-run true with no hook (the baseline), with a no-op ma-pre-start.sh in the working directory,
               with one that exports 5 variables (one of them multi-line) and prepends PATH, and with a fake
               CANN toolkit's set_env.sh (ascend-toolkit/latest, 9 variables as the real one exports them,
               its `$(cd ...; pwd)` and `$(arch)` included) named by MA_RUNTIME_CANN_SET_ENV;
               the anchors: `bash -c 'exec true'` (their baseline) and `bash -c '. <file>; exec true'` for
               the same three files;
-              diagnostics: the runtime's sourcing script itself (hooks._SOURCE, the two dumps, the
+              diagnostics: the runtime's sourcing script itself (hooks/running._SOURCE, the two dumps, the
               exporting hook) run by bash outside ma-run; one dump alone (`python -I -S -c` of hooks._DUMP);
               bash sourcing the same hook between two `env -0` (the cheap way to read an environment whole).
             Figures, per round: the hook's added cost, ours (with the hook - no hook) and the anchor's
@@ -389,7 +389,7 @@ def print_check(kind: str, check: Dict[str, Any], reference: str = "the entrypoi
 
 
 def sourced_rows(job: Job) -> Dict[str, Row]:
-    from ma_runtime import hooks  # the runtime's own sourcing script and dump, run here outside ma-run
+    from ma_runtime.hooks import running as hooks  # the runtime's own sourcing script and dump, run here outside ma-run
 
     dumps = job.scratch / "dumps"
     dumps.mkdir(exist_ok=True)

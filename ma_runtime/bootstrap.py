@@ -28,7 +28,7 @@ from ma_runtime.redact import Masker
 from ma_runtime.run_context import RunContext
 from ma_runtime.stages import flow
 from ma_runtime.supervise import attempt_processes
-from ma_runtime.supervise.pid1 import SignalQueue
+from ma_runtime.supervise.signals import SignalQueue
 from ma_runtime.supervise.supervisor import State
 
 

@@ -107,7 +107,7 @@ def services() -> List[int]:
 def adopt_services(exclude: Iterable[int] = ()) -> List[int]:
     """Every descendant of ours now (but `exclude`, helpers and owned tools) becomes a service: called when the
     pre-start hook has exited and before any command runs, so what is left is what the hook started."""
-    from ma_runtime.supervise.worker import descendants
+    from ma_runtime.process.table import descendants
 
     found = descendants(os.getpid(), NotTheCommand(exclude))
     with LOCK:

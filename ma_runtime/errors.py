@@ -68,11 +68,6 @@ class CommandNotExecutable(RuntimeFailure):
     stage = "launch"
 
 
-def exit_code_of_status(returncode: int) -> int:
-    """Popen-style return code (negative = killed by signal) to a shell exit code."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 class LaunchTimedOut(RuntimeFailure):
     """A launcher could not start in time: worker-0's address never resolved."""
 

@@ -12,10 +12,13 @@ from ma_runtime import children, logs, termination
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import Category, ConfigError, RuntimeFailure
 from ma_runtime.output import Sink
+from ma_runtime.process.lifecycle import sweep
+from ma_runtime.process.table import descendants, processes
 from ma_runtime.redact import Masker
 from ma_runtime.supervise import guard as guard_module
-from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, become_subreaper, is_pid1
-from ma_runtime.supervise.worker import SIGNAL_NAMES, descendants, processes, sweep
+from ma_runtime.supervise.pid1 import become_subreaper, is_pid1
+from ma_runtime.supervise.signals import STOPPING, SignalQueue
+from ma_runtime.supervise.worker import SIGNAL_NAMES
 
 # How long a wait on the signal queue lasts at most (a wake-up lost would cost no more).
 _TICK = 1.0

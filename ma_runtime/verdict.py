@@ -18,8 +18,9 @@ The job's verdict is the last attempt's, unless the runtime gave up restarting (
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ma_runtime.errors import Category, ExitCode, exit_code_of_status
+from ma_runtime.errors import Category, ExitCode
 from ma_runtime.output import tail_of
+from ma_runtime.process import lifecycle
 from ma_runtime.supervise.supervisor import Outcome, State
 from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker
 
@@ -64,7 +65,7 @@ def of(outcome: Outcome, plan=None, root_cause: Optional[RootCauseOf] = None, ow
     killed = outcome.forced
     if outcome.stop_signal is not None:
         # The launcher's own code after a stop says nothing of the command; our SIGKILL's says only that we killed.
-        exit_code = 128 + outcome.stop_signal if killed or not own_code_after_stop else exit_code_of_status(returncode)
+        exit_code = 128 + outcome.stop_signal if killed or not own_code_after_stop else lifecycle.exit_code(returncode)
     death = SIGNAL_NAMES.get(-returncode) if returncode < 0 else None
     stop = SIGNAL_NAMES.get(outcome.stop_signal) if outcome.stop_signal else None
     reason, category, hint = (("", Category.USER.value, "") if exit_code == 0 else
@@ -110,7 +111,7 @@ def _failed_rank(outcome: Outcome, plan, root_cause: Optional[RootCauseOf]) -> t
     if root_cause is not None and outcome.stop_signal is None and outcome.worker is not None:
         cause = root_cause(tail(outcome.worker, ROOT_CAUSE_LINES))
         if cause is not None and cause.returncode != 0:
-            return cause.rank, cause.returncode, exit_code_of_status(cause.returncode)
+            return cause.rank, cause.returncode, lifecycle.exit_code(cause.returncode)
     ranks = {planned.name: planned.rank for planned in plan.workers}
     return ranks.get(outcome.failed_worker), outcome.returncode, outcome.exit_code
 

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ma_runtime.errors import ExitCode, LaunchTimedOut, too_large_for_exec
+from ma_runtime.process import lifecycle
 
 PERIOD_S = 1.0
 GONE_AFTER = 3  # probes in a row: one lost SYN is not a node gone
@@ -181,10 +182,6 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def _status(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ma_runtime.launch.peers")
     parser.add_argument("--until-gone", nargs="+", type=_endpoint, required=True, metavar="HOST:PORT")
@@ -218,9 +215,9 @@ def _watch(watch: _PeerStates, appear_seconds: float, child: Optional[subprocess
     deadline = time.monotonic() + appear_seconds
     while True:
         if child is not None and child.poll() is not None:
-            return _status(child.returncode)  # the command's own end decides
+            return lifecycle.exit_code(child.returncode)  # the command's own end decides
         if stop.is_set():
-            return _status(child.wait()) if child is not None else 128 + signal.SIGTERM
+            return lifecycle.exit_code(child.wait()) if child is not None else 128 + signal.SIGTERM
         watch.look(stop)
         if watch.all_gone():
             _say("every node watched has finished: " + ", ".join(f"{h}:{p}" for h, p in watch.endpoints))
@@ -238,14 +235,7 @@ def _watch(watch: _PeerStates, appear_seconds: float, child: Optional[subprocess
 
 
 def _end(child: subprocess.Popen) -> None:
-    if child.poll() is not None:
-        return
-    child.terminate()
-    try:
-        child.wait(COMMAND_GRACE_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+    lifecycle.stop(child, COMMAND_GRACE_S)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from typing import List, Mapping, Optional, Sequence
 from ma_runtime import children
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut, too_large_for_exec
 from ma_runtime.files import NotAFile, read_regular, write_atomically
+from ma_runtime.process import lifecycle
 
 PLACEHOLDER = "{{MY_SSHD_PORT}}"
 _FILE_LIMIT = 1 << 20  # a trust file or a config is a few KiB
@@ -529,10 +530,7 @@ def _last_line(worker) -> str:
 
 def _stop(worker) -> None:
     worker.signal_group(signal.SIGKILL)
-    try:
-        worker.popen.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
+    lifecycle.wait(worker.popen, 5)
 
 
 if __name__ == "__main__":

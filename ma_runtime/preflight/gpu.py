@@ -18,7 +18,8 @@ from typing import Any, List, Mapping, NamedTuple, Optional
 
 from ma_runtime.preflight import accelerator
 from ma_runtime.preflight.accelerator import GPU, GPU_KIND, Census
-from ma_runtime.preflight.model import Result, ToolError, run_tool
+from ma_runtime.preflight.model import Result
+from ma_runtime.process.lifecycle import ToolError, run_tool
 
 QUERY = (
     "index", "pci.bus_id", "name", "uuid", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending",

@@ -11,14 +11,7 @@ checks do not log, so they hand the runner a message and its fields instead.
 
 import dataclasses
 import enum
-import errno
-import os
-import signal
-import subprocess
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
-
-from ma_runtime import children
-from ma_runtime.errors import too_large_for_exec
+from typing import Any, Callable, Dict, Optional
 
 # A message and its fields, which the runner logs while a check is still waiting.
 Progress = Callable[[str, Dict[str, Any]], None]
@@ -59,36 +52,3 @@ def skipped(item: str, reason: str, **extra: Any) -> Result:
     return Result(item, Status.SKIP, f"{item}.not-applicable", hint=reason, **extra)
 
 
-class ToolError(Exception):
-    """An external tool (nvidia-smi, npu-smi) that is missing, hangs, or fails."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code  # "missing", "timeout" or "failed"
-        self.message = message
-
-
-def run_tool(argv: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None) -> Tuple[int, str, str]:
-    """(returncode, stdout, stderr) of a short-lived tool; its whole group is killed after `timeout` s."""
-    def start() -> subprocess.Popen:
-        return subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
-            start_new_session=True,
-        )
-
-    try:
-        # Owned: the supervisor's reaping loop, if it runs meanwhile, must not take the tool's status.
-        with children.owned(start) as proc:
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                # The group, not just the tool: a helper it forked would hold the pipes open.
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                raise ToolError("timeout", f"{argv[0]} did not answer within {timeout:g} s") from None
-    except FileNotFoundError:
-        raise ToolError("missing", f"{argv[0]} not found on PATH") from None
-    except OSError as exc:
-        why = too_large_for_exec(argv, os.environ if env is None else env) if exc.errno == errno.E2BIG else exc.strerror
-        raise ToolError("failed", f"{argv[0]} could not run: {why}") from None
-    return proc.returncode, out, err

@@ -19,26 +19,16 @@ npu.tool-missing, npu.tool-timeout, npu.tool-failed; npu.not-applicable (skip).
 """
 
 import re
-from typing import Any, List, Mapping, NamedTuple, Optional
+from typing import Any, List, Mapping
 
+from ma_runtime.npu_smi import ARGV, HEALTHY, MINOR
+from ma_runtime.npu_smi import npus as read_npus
 from ma_runtime.preflight import accelerator
 from ma_runtime.preflight.accelerator import NPU, NPU_KIND, NPU_MANAGER, Census
-from ma_runtime.preflight.model import Result, Status, ToolError, run_tool
+from ma_runtime.preflight.model import Result, Status
+from ma_runtime.process.lifecycle import ToolError, run_tool
 
-ARGV = ("npu-smi", "info")
 _IN_USE = re.compile(r"device is used|ret is -8020", re.IGNORECASE)
-_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]")
-HEALTHY = "OK"
-MINOR = "Warning"
-
-
-class Npu(NamedTuple):
-    index: str
-    health: str
-    bus_id: Optional[str] = None
-
-    def describe(self) -> str:
-        return f"NPU {self.index} ({self.bus_id or 'bus id unknown'}): {self.health}"
 
 
 def run(spec: Any, environ: Mapping[str, str]) -> List[Result]:
@@ -62,7 +52,7 @@ def judge(spec: Any, nodes: int, returncode: int, out: str, err: str) -> Result:
     # Checked before the table: a held device makes npu-smi fail as a whole, whatever else it printed.
     if held:
         return in_use(spec, held)
-    npus = parse_table(out)
+    npus = read_npus(out)
     if returncode != 0 and not npus:
         return accelerator.tool_failed(NPU_KIND, spec, returncode, output)
     healthy = [n for n in npus if n.health in (HEALTHY, MINOR)]
@@ -81,29 +71,3 @@ def in_use(spec: Any, line: str) -> Result:
     )
     return Result(NPU, Status.FAIL, "npu.in-use", None, accelerator.required(spec), hint=hint, unit="count",
                   detail={"output": line})
-
-
-def parse_table(out: str) -> List[Npu]:
-    """NPU rows of the first table; the process table below it has rows of the same shape."""
-    npus: List[Npu] = []
-    for line in out.splitlines():
-        if "Process id" in line:
-            break
-        cells = row_cells(line)
-        if len(cells) < 3:
-            continue
-        head = cells[0].split()
-        # First row of an NPU: "<index> <name>" then an alphabetic Health; a chip row has a Bus-Id there.
-        if len(head) >= 2 and head[0].isdigit() and cells[1].isalpha():
-            npus.append(Npu(head[0], cells[1]))
-        elif npus and npus[-1].bus_id is None and _BUS_ID.fullmatch(cells[1]):
-            npus[-1] = npus[-1]._replace(bus_id=cells[1])
-    return npus
-
-
-def row_cells(line: str) -> List[str]:
-    """The cells of one `| a | b |` row of npu-smi's tables; [] for a border or any other line."""
-    line = line.strip()
-    if not line.startswith("|"):
-        return []
-    return [cell.strip() for cell in line.strip("|").split("|")]

@@ -36,7 +36,7 @@ class Prepared:
 def before_the_command(spec: spec_module.JobSpec, first, command: Sequence[str], context,
                        stopped: threading.Event) -> Prepared:
     """Preflight, stage-in, the hooks, the rank table, the launcher's services: once per run."""
-    from ma_runtime import hooks
+    from ma_runtime.hooks import stage as hooks
 
     log = logs.get_logger()
     _preflight(spec, log)

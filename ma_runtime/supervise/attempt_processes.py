@@ -29,18 +29,19 @@ class _HangWatch:
     environment, the progress pattern among their output's destinations."""
 
     def __init__(self, spec: spec_module.JobSpec, config, attempt, log):
-        from ma_runtime.supervise import devices, hang, stacks
+        from ma_runtime.supervise import devices, hang
+        from ma_runtime.supervise.stacks import dumps, registry
 
-        self.stacks = stacks
+        self.stacks = registry
         self.registry: Optional[Path] = None
         if config.stacks:
             try:
-                self.registry = stacks.registry_dir(spec.state_dir, attempt.run_id, attempt.number)
+                self.registry = registry.registry_dir(spec.state_dir, attempt.run_id, attempt.number)
             except OSError as exc:  # a read-only state folder costs the stacks, not the job
                 log.warning("no stacks for a hung attempt: cannot create the stack-dump folder",
                             path=str(spec.state_dir / "stacks"), error=exc.strerror or str(exc))
         out_dir = spec.log_dir / f"{spec.log_stem}-stacks" / f"attempt-{attempt.number}"
-        where = functools.partial(stacks.dump, self.registry, out_dir, log=log) if self.registry else None
+        where = functools.partial(dumps.dump, self.registry, out_dir, log=log) if self.registry else None
         self.monitor = hang.Monitor(config, functools.partial(devices.utilisation, spec, os.environ), log, where)
         sink = self.monitor.sink()
         self.sinks = [sink] if sink is not None else []

@@ -38,24 +38,18 @@ import shutil
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
+from ma_runtime import npu_smi
 from ma_runtime.errors import DeviceNotReleased
+from ma_runtime.npu_smi import BUS_ID, NO_READING, Unparsable, memory_mb, reading
 from ma_runtime.preflight import accelerator
 from ma_runtime.preflight.accelerator import GPU, first_line
-from ma_runtime.preflight.model import ToolError, run_tool
-from ma_runtime.preflight.npu import HEALTHY, MINOR, row_cells
+from ma_runtime.process.lifecycle import ToolError, run_tool
 
 # npu-smi takes a good part of a second per call and walks every card's driver; asking more often
 # would load the driver the ranks are leaving without ending the wait any sooner.
 POLL_SECONDS = 0.5
 # Holders named in the error; a node with 16 chips x several processes would make an unreadable line.
 NAMED_HOLDERS = 8
-_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]")
-_NO_PROCESS = "No running processes found"
-# A cell that holds no value: npu-smi prints NA, nvidia-smi [N/A] or [Not Supported].
-_NO_VALUE = {"", "NA", "N/A", "[N/A]", "[Not Supported]"}
-# npu-smi also prints "-" for a value a chip does not report (the second chip's power on an Atlas A3).
-_NO_READING = _NO_VALUE | {"-"}
-_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s*%?")
 _LOST_GPU = re.compile(r"Unable to determine the device handle for (.*)", re.IGNORECASE)
 
 # pause(seconds) sleeps up to `seconds` and says whether a stop was requested meanwhile.
@@ -107,10 +101,6 @@ class Tool(NamedTuple):
     parse: Callable[[str], List[Holder]]
     utilisation_argv: Tuple[str, ...]
     parse_utilisation: Callable[[str, str], Readings]
-
-
-class Unparsable(ValueError):
-    """Tool output that is not the table we know; the message quotes the line."""
 
 
 def busy(spec: Any, environ: Mapping[str, str]) -> Optional[Listing]:
@@ -229,57 +219,8 @@ def _named(holders: List[Holder]) -> str:
 
 
 def parse_npu(out: str) -> List[Holder]:
-    """The process table after the NPU table of `npu-smi info`.
-
-    Rows: `| <npu> <chip> | <pid> | <name> | <memory> |` (npu-smi 25 adds `| <pid in
-    container> |`; Ascend 950 has one `NPU ID` cell instead of NPU and chip). Several
-    processes on one NPU are consecutive rows; an idle NPU has one row
-    `No running processes found in NPU <n>`. Columns are found by their header, so the
-    versions' different layouts read alike.
-    """
-    lines = out.splitlines()
-    start = next((i for i, line in enumerate(lines) if "Process id" in row_cells(line)), None)
-    if start is None:
-        raise Unparsable(f"no process table: {first_line(out) or 'no output'}")
-    header = row_cells(lines[start])
-    pid_at, name_at = header.index("Process id"), _column(header, "Process name")
-    memory_at = _column(header, "Process memory")
-    holders = []
-    for line in lines[start + 1:]:
-        cells = row_cells(line)
-        # Ascend 950 prints a row of NA for an idle NPU.
-        if not cells or cells[0].startswith(_NO_PROCESS) or (len(cells) > 1 and set(cells[1:]) <= _NO_VALUE):
-            continue
-        if len(cells) < len(header):
-            raise Unparsable(f"an unexpected process row: {line.strip()}")
-        holders.append(Holder(_npu_device(cells[0], line), _pid(cells[pid_at], line),
-                              cells[name_at] if name_at is not None else "",
-                              _memory(cells[memory_at]) if memory_at is not None else None))
-    return holders
-
-
-def _column(header: List[str], title: str) -> Optional[int]:
-    return next((i for i, cell in enumerate(header) if cell.startswith(title)), None)
-
-
-def _npu_device(cell: str, line: str) -> str:
-    ids = cell.split()
-    if not ids or not all(part.isdigit() for part in ids):
-        raise Unparsable(f"an unexpected process row: {line.strip()}")
-    # Chip 0 is the only chip of most NPUs (910B); others (310P, 910 pro) have several.
-    chip = ids[1] if len(ids) > 1 else "0"
-    return f"NPU {ids[0]}" + (f" chip {chip}" if chip != "0" else "")
-
-
-def _pid(cell: str, line: str) -> int:
-    if not cell.isdigit():
-        raise Unparsable(f"an unexpected process row: {line.strip()}")
-    return int(cell)
-
-
-def _memory(cell: str) -> Optional[int]:
-    match = re.match(r"\d+", cell)
-    return int(match[0]) if match else None
+    """The processes on this container's NPUs, from the process table of `npu-smi info` (npu_smi.processes)."""
+    return [Holder(*row) for row in npu_smi.processes(out)]
 
 
 def parse_gpu(out: str) -> List[Holder]:
@@ -294,77 +235,11 @@ def parse_gpu(out: str) -> List[Holder]:
         if not line.strip():
             continue
         fields = [field.strip() for field in line.split(", ")]
-        if len(fields) < 4 or not fields[0].isdigit() or not _BUS_ID.fullmatch(fields[-1]):
+        if len(fields) < 4 or not fields[0].isdigit() or not BUS_ID.fullmatch(fields[-1]):
             raise Unparsable(f"an unexpected line: {line.strip()}")
         name = ", ".join(fields[1:-2])
-        holders.append(Holder(f"GPU {fields[-1]}", int(fields[0]), name, _memory(fields[-2])))
+        holders.append(Holder(f"GPU {fields[-1]}", int(fields[0]), name, memory_mb(fields[-2])))
     return holders
-
-
-def parse_npu_utilisation(out: str, err: str = "") -> Readings:
-    """AICore(%) of each chip and the unhealthy NPUs, from the NPU table of `npu-smi info`.
-
-    An NPU is a row `| <npu> <name> | <Health> | ...` and the chip rows under it,
-    `| <chip> [<phy id>] | <Bus-Id> | <AICore(%)> <memory> ... |`: one chip on a 910B, several
-    under one NPU row on a 310P card, each chip under its own repeated NPU row on an Atlas A3.
-    Health and Bus-Id are found by their header cells; AICore(%) shares a cell with the memory
-    columns, so its value is the word under its title in the header.
-    """
-    lines = out.splitlines()
-    top = next((i for i, line in enumerate(lines) if "Health" in row_cells(line)), len(lines))
-    below = next((i for i in range(top + 1, len(lines)) if "Bus-Id" in row_cells(lines[i])), None)
-    if below is None:
-        raise Unparsable(f"no NPU table: {first_line(out) or 'no output'}")
-    health_at, bus_at = row_cells(lines[top]).index("Health"), row_cells(lines[below]).index("Bus-Id")
-    title_at = lines[below].find("AICore(%)")
-    if title_at < 0:
-        raise Unparsable(f"no AICore(%) column: {lines[below].strip()}")
-    title = (title_at, title_at + len("AICore(%)"))
-    npus: List[Tuple[str, str, List[str]]] = []  # (index, health, its chips' device names)
-    found: Dict[str, Optional[float]] = {}
-    for line in lines[below + 1:]:
-        cells = row_cells(line)
-        if "Process id" in cells:
-            break
-        if not cells:
-            continue
-        ids = cells[0].split()
-        if len(cells) <= max(health_at, bus_at) or not ids or not ids[0].isdigit():
-            raise Unparsable(f"an unexpected NPU row: {line.strip()}")
-        if _BUS_ID.fullmatch(cells[bus_at]):
-            if not npus:
-                raise Unparsable(f"a chip row before any NPU row: {line.strip()}")
-            device = f"NPU {npus[-1][0]}" + (f" chip {ids[0]}" if ids[0] != "0" else "")
-            found[device] = _reading(_word_under(title, line), line)
-            npus[-1][2].append(device)
-        elif len(ids) >= 2 and cells[health_at]:
-            npus.append((ids[0], cells[health_at], []))
-        else:
-            raise Unparsable(f"an unexpected NPU row: {line.strip()}")
-    return found, [_unwell(index, health, chips) for index, health, chips in npus if health not in (HEALTHY, MINOR)]
-
-
-def _word_under(span: Tuple[int, int], line: str) -> str:
-    """The word of `line` that stands (at least in part) under the header title at `span`."""
-    word = next((m for m in re.finditer(r"[^\s|]+", line) if m.start() < span[1] and m.end() > span[0]), None)
-    if word is None:
-        raise Unparsable(f"no AICore(%) value in: {line.strip()}")
-    return word[0]
-
-
-def _reading(value: str, line: str) -> Optional[float]:
-    if value in _NO_READING:
-        return None
-    match = _PERCENT.fullmatch(value)
-    if not match:
-        raise Unparsable(f"an unexpected utilisation {value!r} in: {line.strip()}")
-    return float(match[1])
-
-
-def _unwell(index: str, health: str, chips: List[str]) -> str:
-    # An NPU row over a single chip (910B, each A3 chip) is that chip's health; over several (310P), the card's.
-    device = chips[0] if len(chips) == 1 else f"NPU {index}"
-    return f"{device}: {health}"
 
 
 def parse_gpu_utilisation(out: str, err: str = "") -> Readings:
@@ -384,13 +259,13 @@ def parse_gpu_utilisation(out: str, err: str = "") -> Readings:
             unhealthy.append(_lost_gpu(line))
             continue
         fields = [field.strip() for field in line.split(",")]
-        if len(fields) != 3 or not fields[0].isdigit() or not _BUS_ID.fullmatch(fields[1]):
+        if len(fields) != 3 or not fields[0].isdigit() or not BUS_ID.fullmatch(fields[1]):
             raise Unparsable(f"an unexpected line: {line.strip()}")
         device, value = f"GPU {fields[1]}", fields[2]
-        if value.startswith("[") and value not in _NO_READING:
+        if value.startswith("[") and value not in NO_READING:
             unhealthy.append(f"{device}: {value.strip('[]')}")
             value = ""
-        found[device] = _reading(value, line)
+        found[device] = reading(value, line)
     return found, list(dict.fromkeys(unhealthy))
 
 
@@ -400,7 +275,7 @@ def _lost_gpu(line: str) -> str:
     Drivers word it `GPU0000:04:00.0`, `GPU 0000:04:00.0`, `GPU3: 0000:04:00.0` or `GPU3` alone.
     """
     rest = _LOST_GPU.search(line)[1]
-    bus = _BUS_ID.search(rest)
+    bus = BUS_ID.search(rest)
     index = re.match(r"GPU\s*(\d+)", rest, re.IGNORECASE)
     if bus:
         # Named as its row would be (pci.bus_id has an 8-digit domain), so messages agree.
@@ -414,7 +289,7 @@ def _lost_gpu(line: str) -> str:
     return f"{device}: Unable to determine the device handle" + (f" ({reason})" if reason else "")
 
 
-NPU_TOOL = Tool("npu-smi info", ("npu-smi", "info"), parse_npu, ("npu-smi", "info"), parse_npu_utilisation)
+NPU_TOOL = Tool("npu-smi info", npu_smi.ARGV, parse_npu, npu_smi.ARGV, npu_smi.utilisation)
 GPU_TOOL = Tool("nvidia-smi", ("nvidia-smi", "--query-compute-apps=pid,process_name,used_memory,gpu_bus_id",
                                "--format=csv,noheader,nounits"), parse_gpu,
                 ("nvidia-smi", "--query-gpu=index,pci.bus_id,utilization.gpu", "--format=csv,noheader,nounits"),

@@ -39,8 +39,9 @@ import os
 import signal
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
+from ma_runtime.process.lifecycle import sweep
+from ma_runtime.process.table import Proc, environ, family, holds_pipe, processes
 from ma_runtime.supervise.pid1 import set_command_line, set_process_name
-from ma_runtime.supervise.worker import Proc, family, processes, sweep
 
 # Comma-separated run ids of every ma-runtime above a process: a nested ma-run
 # adds its own, so the outer guard still finds the inner run's workers.
@@ -112,7 +113,7 @@ class Marks:
     """What tells the run's processes apart, as the guard knows it."""
 
     def __init__(self, run_id: str, inodes: Iterable[int] = ()):
-        self.run_id = run_id.encode()
+        self.run_id = run_id
         self.inodes = set(inodes)  # pipes whose ends mark a process
         self.recorded: Dict[int, int] = {}  # pid -> start time, from the supervisor
 
@@ -183,7 +184,7 @@ def start(run_id: str) -> Guard:
 def _guard_main(read_fd: int, marks: Marks) -> None:  # pragma: no cover - see start()
     status = 0
     try:
-        _detach(marks.run_id.decode())
+        _detach(marks.run_id)
         if not _listen(read_fd, marks):
             sweep(Finder(marks), _SWEEP_SECONDS)
     except BaseException:
@@ -226,31 +227,6 @@ def lineage(environ, run_id: str) -> str:
     return f"{inherited},{run_id}" if inherited else run_id
 
 
-def carries_lineage(pid: int, run_id: bytes) -> bool:
+def carries_lineage(pid: int, run_id: str) -> bool:
     """Whether the process's MA_RUNTIME_LINEAGE names `run_id`."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read()
-    except OSError:
-        return False
-    prefix = f"{LINEAGE_ENV}=".encode()
-    for variable in environ.split(b"\0"):
-        if variable.startswith(prefix):
-            return run_id in variable[len(prefix) :].split(b",")
-    return False
-
-
-def holds_pipe(pid: int, inodes) -> bool:
-    """Whether any descriptor of the process is one of the pipes `inodes`."""
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in names:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if link.startswith("pipe:[") and int(link[6:-1]) in inodes:
-            return True
-    return False
+    return run_id in environ(pid).get(LINEAGE_ENV, "").split(",")

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from ma_runtime.process.table import cpu_demand
 from ma_runtime.supervise.progress import ProgressSink
 
 PERIODS_PER_WINDOW = 5
@@ -202,7 +203,7 @@ class _Tree:
                 continue  # gone (or a zombie) since the walk: the next sample sees the tree without it
             known[pid] = proc
             labels[unit.root] = unit.label
-            demand = _demand(pid) if demand_of is None or unit.root in demand_of else None
+            demand = cpu_demand(pid) if demand_of is None or unit.root in demand_of else None
             sample[pid, proc.create_time()] = Reading((io.read_count, io.write_count, io.read_chars, io.write_chars),
                                                       cpu.user + cpu.system, unit.root, demand)
         self._known, self.labels = known, labels
@@ -213,24 +214,6 @@ class _Tree:
         if proc is None or not proc.is_running():  # is_running compares the start time: a reused pid is new
             proc = self._psutil.Process(pid)
         return proc
-
-
-def _demand(pid: int) -> Optional[float]:
-    """Seconds every thread of `pid` has run and waited on a run queue (/proc/<pid>/task/*/schedstat): what it asked
-    of the CPUs, which contention does not shrink as it shrinks what it gets. None where the kernel does not say."""
-    total = 0
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for thread in threads:
-        try:
-            with open(f"/proc/{pid}/task/{thread}/schedstat", "rb") as f:
-                ran, waited = f.read().split()[:2]
-            total += int(ran) + int(waited)
-        except (OSError, ValueError):
-            continue  # a thread that ended since the listing
-    return total / 1e9
 
 
 def activity(before: Sample, after: Sample, seconds: float) -> Interval:

@@ -1,7 +1,7 @@
 """The duties of an init process, one small function each (tini's shape).
 
 - `become_subreaper`: outside a PID namespace, orphans come to us instead of init.
-- `SignalQueue` (supervise/signals.py, light enough to be the CLI's first import):
+- the signal queue is supervise/signals.py's (light enough to be the CLI's first import):
   handlers do nothing but wake the main loop through a pipe (gunicorn's arbiter).
 - `reap`: the single `waitpid(-1)` loop of the process. It records the status of
   the pids the supervisor tracks and discards the rest, so `Popen.wait` never
@@ -16,7 +16,7 @@ import os
 from typing import Dict, Optional, Sequence
 
 from ma_runtime import children
-from ma_runtime.supervise.signals import FORWARDED, STOPPING, SignalQueue  # noqa: F401 - the init duties, in one place
+from ma_runtime.process.table import argument_area
 
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
@@ -50,12 +50,10 @@ def set_command_line(words: Sequence[str]) -> bool:
     NUL-padded and cut to its size, costs nothing (setproctitle's way, without
     the module). Python keeps its own copy of argv, so nothing else changes.
     """
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        start, end = int(fields[45]), int(fields[46])
-    except (OSError, IndexError, ValueError):
+    area = argument_area()
+    if area is None:
         return False
+    start, end = area
     size = end - start
     if start <= 0 or size <= 1:
         return False

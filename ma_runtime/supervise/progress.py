@@ -40,6 +40,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ma_runtime import children, output
 from ma_runtime.output import Sink
+from ma_runtime.process import lifecycle
 from ma_runtime.supervise import matcher
 
 SETTING = "MA_RUNTIME_PROGRESS_PATTERN"
@@ -305,10 +306,6 @@ def _end(proc: subprocess.Popen, at_once: bool) -> Optional[int]:
     CPU) would keep it busy long after the end of its socket, and its answers no longer matter."""
     if at_once:
         proc.kill()
-    try:
-        code = proc.wait(EXIT_WAIT_SECONDS)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
+    code = lifecycle.wait_or_kill(proc, EXIT_WAIT_SECONDS)
     children.end_helper(proc.pid)
     return code

@@ -32,8 +32,8 @@ from typing import Dict, FrozenSet, Iterable, List, Mapping, NamedTuple, Optiona
 
 from ma_runtime.launch import registry
 from ma_runtime.launch.base import RANK_VARIABLES, Helper
+from ma_runtime.process.table import Proc, cmdline, environ
 from ma_runtime.supervise.guard import NAME as GUARD_NAME
-from ma_runtime.supervise.worker import Proc
 
 # The runtime's own programs (no launcher's): a nested runtime, and the peers watcher.
 _OWN_SCRIPTS = {"ma-run": "ma-runtime", "ma-runtime": "ma-runtime"}
@@ -41,8 +41,6 @@ _OWN_MODULES = {"ma_runtime": "ma-runtime", "ma_runtime.launch.peers": "the runt
 # Python's options that take the next word as their value.
 _OPTIONS_WITH_VALUE = frozenset({"-X", "-W", "--check-hash-based-pycs"})
 _PYTHON = re.compile(r"python[0-9.]*\Z")
-_CMDLINE_LIMIT = 1 << 16
-_ENVIRON_LIMIT = 1 << 20
 
 _Key = Tuple[int, int, str]  # pid, start time, name
 
@@ -228,24 +226,3 @@ def is_helper(variables: Mapping[str, str]) -> bool:
     """Whether a process's environment marks a launcher's helper that runs the user's script too (msrun's
     scheduler, which gets RANK_ID=0), which is no rank."""
     return any(variables.get(variable) == value for variable, value, _ in _words().helpers.values())
-
-
-def cmdline(pid: int) -> List[str]:
-    """The process's command line; empty where it cannot be read (gone, a kernel thread, another user's)."""
-    data = _read(f"/proc/{pid}/cmdline", _CMDLINE_LIMIT)
-    return [word.decode("utf-8", "replace") for word in data.split(b"\0")[:-1]] if data else []
-
-
-def environ(pid: int) -> Dict[str, str]:
-    """The process's initial environment; empty where it cannot be read."""
-    data = _read(f"/proc/{pid}/environ", _ENVIRON_LIMIT)
-    pairs = (entry.split(b"=", 1) for entry in data.split(b"\0") if b"=" in entry)
-    return {key.decode("utf-8", "replace"): value.decode("utf-8", "replace") for key, value in pairs}
-
-
-def _read(path: str, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit)
-    except OSError:
-        return b""

@@ -10,7 +10,7 @@ and a descendant outside those groups directly, unless its launcher passes the
 stop on itself (`forwards`, from launch/<method>.forwards_to). A second stop
 request is not passed on: it would interrupt the cleanup the first one started.
 
-Every SIGKILL it sends goes through worker.sweep (stop the tree, then kill it,
+Every SIGKILL it sends goes through process/lifecycle.sweep (stop the tree, then kill it,
 until it is empty): the grace-over kill and the kill of leftovers alike, so a
 tree that forks faster than it is killed still ends. While the workers run, it
 records its descendants for the guard about once a second (one /proc scan, a
@@ -27,10 +27,14 @@ import time
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Union
 
 from ma_runtime import children
-from ma_runtime.errors import ExitCode, exit_code_of_status
+from ma_runtime.errors import ExitCode
+from ma_runtime.process import lifecycle
+from ma_runtime.process.lifecycle import kill_all, sweep
+from ma_runtime.process.table import Proc, descendants, processes
 from ma_runtime.supervise import ranks
-from ma_runtime.supervise.pid1 import STOPPING, SignalQueue, reap
-from ma_runtime.supervise.worker import SIGNAL_NAMES, Proc, Worker, descendants, kill_all, processes, sweep
+from ma_runtime.supervise.pid1 import reap
+from ma_runtime.supervise.signals import STOPPING, SignalQueue
+from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker
 
 # Upper bound on one loop turn, in case a wake-up is ever lost.
 _TICK = 1.0
@@ -138,7 +142,6 @@ class Supervisor:
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:
             raise ValueError("Supervisor needs at least one worker")
-        self.worker = self.workers[0]  # the single-worker API of old
         self.signals = signals
         self.grace_seconds = grace_seconds
         self.log = log
@@ -226,7 +229,7 @@ class Supervisor:
         self.log.warning(
             "a worker failed: stopping the others",
             worker=worker.name,
-            exit_code=exit_code_of_status(worker.returncode),
+            exit_code=lifecycle.exit_code(worker.returncode),
             others=len(others),
         )
         stop.begin(self.on_stop)
@@ -270,7 +273,7 @@ class Supervisor:
     def _outcome(self, stop: _Stop, leftovers: int, duration: float) -> Outcome:
         # A non-zero status is never hidden behind a later zero.
         decider = stop.failed or next((w for w in stop.exits if w.returncode != 0), stop.exits[-1])
-        code = exit_code_of_status(decider.returncode)
+        code = lifecycle.exit_code(decider.returncode)
         # Forced when our SIGKILL is what a worker died of; one that exited by itself meanwhile has its own status.
         forced = any(worker.returncode == -signal.SIGKILL for worker in stop.killed)
         if forced and stop.signal is not None:

@@ -30,6 +30,7 @@ import time
 from typing import List, Optional, Tuple
 
 from ma_runtime import children
+from ma_runtime.process import lifecycle
 
 DIED_EVENT = "output and log upload process exited; files will no longer be synced"
 RESTARTS = 1
@@ -187,22 +188,13 @@ class Uploader:
             channel, self.channel = self.channel, None
         if channel is not None:
             channel.close()
-        if proc is None:
-            return
-        try:
-            proc.wait(EXIT_WAIT_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            lifecycle.wait_or_kill(proc, EXIT_WAIT_SECONDS)
 
 
 def _exit_code(proc: subprocess.Popen) -> Optional[int]:
     """Its exit status; one that closed its channel but lives on is killed (a fresh one takes over)."""
-    try:
-        return proc.wait(EXIT_WAIT_SECONDS)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+    return lifecycle.wait_or_kill(proc, EXIT_WAIT_SECONDS)
 
 
 def _read_line(channel: socket.socket, deadline: float) -> Tuple[Optional[str], str]:

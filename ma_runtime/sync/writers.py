@@ -20,9 +20,10 @@ under 0.5 % of a core.
 """
 
 import os
-from typing import Iterable, Optional, Set
+from typing import Iterable, List, Optional, Set
 
-_PROC = "/proc"
+from ma_runtime.process import table
+
 _WRITE_MODES = (os.O_WRONLY, os.O_RDWR)
 
 
@@ -33,58 +34,42 @@ def open_for_writing(roots: Iterable[str], inodes: Set[int]) -> Optional[Set[int
     uid = os.getuid()
     writing: Set[int] = set()
     try:
-        pids = [name for name in os.listdir(_PROC) if name.isdigit()]
+        pids = table.pids()
     except OSError:
         return None
     for pid in pids:
-        fds = _descriptors(pid, uid)
-        if fds is None:
+        descriptors = _descriptors(pid, uid)
+        if descriptors is None:
             return None
-        for fd in fds:
-            inode = _written_inode(pid, fd, prefixes, inodes)
+        for descriptor in descriptors:
+            inode = _written_inode(descriptor, prefixes, inodes)
             if inode is not None:
                 writing.add(inode)
     return writing
 
 
-def _descriptors(pid: str, uid: int) -> Optional[list]:
-    """The fd numbers of `pid`; [] for a process gone or not ours; None for one of ours we may not examine."""
-    folder = f"{_PROC}/{pid}/fd"
+def _descriptors(pid: int, uid: int) -> Optional[List[str]]:
+    """The descriptors of `pid`; [] for a process gone or not ours; None for one of ours we may not examine."""
     try:
-        return os.listdir(folder)
+        return table.descriptors(pid)
     except (FileNotFoundError, ProcessLookupError):
         return []
     except PermissionError:
-        try:
-            owner = os.stat(f"{_PROC}/{pid}").st_uid
-        except OSError:
-            return []
-        return None if owner == uid and uid != 0 else []
+        owner = table.owner(pid)
+        return None if owner is not None and owner == uid and uid != 0 else []
     except OSError:
         return []
 
 
-def _written_inode(pid: str, fd: str, prefixes, inodes: Set[int]) -> Optional[int]:
-    link = f"{_PROC}/{pid}/fd/{fd}"
+def _written_inode(descriptor: str, prefixes, inodes: Set[int]) -> Optional[int]:
     try:
-        target = os.readlink(link)
+        target = os.readlink(descriptor)
         if not target.startswith(prefixes):  # sockets, pipes, devices, other folders
             return None
-        inode = os.stat(link).st_ino
-        if inode not in inodes:
-            return None
-        with open(f"{_PROC}/{pid}/fdinfo/{fd}", "rb") as info:
-            flags = _flags(info.read())
+        inode = os.stat(descriptor).st_ino
     except OSError:  # the process or the descriptor went meanwhile
         return None
+    if inode not in inodes:
+        return None
+    flags = table.descriptor_flags(descriptor)
     return inode if flags is not None and flags & os.O_ACCMODE in _WRITE_MODES else None
-
-
-def _flags(fdinfo: bytes) -> Optional[int]:
-    for line in fdinfo.splitlines():
-        if line.startswith(b"flags:"):
-            try:
-                return int(line.split(b":", 1)[1].strip(), 8)
-            except ValueError:
-                return None
-    return None

@@ -20,7 +20,8 @@ DRIVER = r"""
 import dataclasses, json, os, sys
 from ma_runtime import logs
 from ma_runtime.output import Sink
-from ma_runtime.supervise.pid1 import SignalQueue, become_subreaper
+from ma_runtime.supervise.pid1 import become_subreaper
+from ma_runtime.supervise.signals import SignalQueue
 from ma_runtime.supervise.supervisor import Supervisor
 from ma_runtime.supervise.worker import spawn
 

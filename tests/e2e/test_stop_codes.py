@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime.errors import exit_code_of_status
+from ma_runtime.process.lifecycle import exit_code
 from tests.conftest import MA_RUN, alive, wait_for_file
 from tests.e2e.test_launchers import JOBS, TORCH_BIN, launcher_env, termination
 
@@ -56,7 +56,7 @@ def test_lightning_ddp_under_plain_stopped_by_sigterm_gets_the_documented_code(j
         assert (code, reason) == (143, "stopped by SIGTERM; the command did not exit within the grace period and "
                                        "was killed"), stderr[-3000:]
     else:  # rank 0 exited by itself: its own code, whatever it is
-        assert code == exit_code_of_status(returncode), stderr[-3000:]
+        assert code == exit_code(returncode), stderr[-3000:]
         assert reason in ("", "stopped by SIGTERM"), stderr[-3000:]
     assert logged_code == code
     assert not [pid for pid in ranks if alive(pid)]  # rank 1 too, which rank 0 may have left behind
@@ -69,7 +69,7 @@ DRIVER = textwrap.dedent(r"""
     from ma_runtime import logs, verdict
     from ma_runtime.launch import plain, plan
     from ma_runtime.output import Sink
-    from ma_runtime.supervise.pid1 import SignalQueue
+    from ma_runtime.supervise.signals import SignalQueue
     from ma_runtime.supervise.supervisor import Supervisor
     from ma_runtime.supervise.worker import spawn
 
@@ -79,8 +79,8 @@ DRIVER = textwrap.dedent(r"""
         def _kill_sweep(self, between=lambda: None):
             if not self.told:
                 self.told = True
-                os.kill(self.worker.pid, signal.SIGUSR1)
-                os.waitid(os.P_PID, self.worker.pid, os.WEXITED | os.WNOWAIT)
+                os.kill(self.workers[0].pid, signal.SIGUSR1)
+                os.waitid(os.P_PID, self.workers[0].pid, os.WEXITED | os.WNOWAIT)
             return super()._kill_sweep(between)
 
     ready = sys.argv[1]

@@ -18,7 +18,7 @@ import pytest
 from ma_runtime.errors import ConfigError
 from ma_runtime.launch import peers, registry
 from ma_runtime.launch.args import build_argv
-from ma_runtime.supervise.worker import Proc
+from ma_runtime.process.table import Proc
 from tests.conftest import MA_RUNTIME
 from tests.unit import test_plan as plans
 from tests.unit.test_launchers import TORCHRUN_SUMMARY

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import hooks, spec
-from ma_runtime.hooks import Env, boot_file, diff, job_python, parse_env_file
+from ma_runtime import spec
+from ma_runtime.hooks import pip
+from ma_runtime.hooks.env import Env, diff, job_python, parse_env_file
+from ma_runtime.hooks.pre_start import boot_file
+from ma_runtime.process import lifecycle
 
 
 def test_the_difference_is_what_changed_and_what_went_but_not_the_shells_own():
@@ -75,7 +78,7 @@ def test_the_jobs_python(tmp_path):
 
 
 def _index_options(environ, tmp_path, config_file=None):
-    return hooks._index_options(spec.load({}, {"MA_HOME": str(tmp_path), **environ}, config_file), environ)
+    return pip._index_options(spec.load({}, {"MA_HOME": str(tmp_path), **environ}, config_file), environ)
 
 
 def test_the_index_is_the_platforms_unless_the_job_chose_one(tmp_path):
@@ -117,7 +120,7 @@ def test_a_hooks_end_is_waited_for_without_polling(monkeypatch):
         raise AssertionError("polled")
 
     monkeypatch.setattr(time, "sleep", no_sleeping)
-    assert hooks._wait(proc, 30) == 0
+    assert lifecycle.wait(proc, 30) == 0
 
 
 def test_waiting_for_a_hook_gives_up_at_the_timeout():
@@ -125,7 +128,7 @@ def test_waiting_for_a_hook_gives_up_at_the_timeout():
 
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        assert hooks._wait(proc, 0.1) is None
+        assert lifecycle.wait(proc, 0.1) is None
     finally:
         proc.kill()
         proc.wait()

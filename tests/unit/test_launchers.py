@@ -21,7 +21,7 @@ import pytest
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
 from ma_runtime.launch.base import Context, Launcher, Machinery, Plan, RootCause, WorkerPlan
-from ma_runtime.supervise.worker import Proc, processes
+from ma_runtime.process.table import Proc, processes
 from tests.conftest import MA_RUNTIME, alive, wait_for_file
 from tests.e2e.test_launchers import TORCH_BIN, needs_torch
 

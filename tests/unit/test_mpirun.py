@@ -21,7 +21,7 @@ from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
 from ma_runtime.launch import mpirun, plan, sshd
 from ma_runtime.launch.base import RootCause
 from ma_runtime.output import Sink
-from ma_runtime.supervise.worker import processes
+from ma_runtime.process.table import processes
 from tests.conftest import alive, free_port, wait_for_file
 from tests.recording import Log
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import spec
+from ma_runtime import npu_smi, spec
 from ma_runtime.preflight import accelerator, gpu, npu
 from ma_runtime.preflight.model import Status
 
@@ -216,8 +216,8 @@ def test_npu_without_davinci_manager_fails(tmp_path):
 
 
 def test_npu_table_parses_the_documented_sample():
-    found = npu.parse_table(NPU_SMI_SAMPLE)
-    assert found == [npu.Npu("0", "OK", "0000:C1:00.0"), npu.Npu("1", "OK", "0000:C2:00.0")]
+    found = npu_smi.npus(NPU_SMI_SAMPLE)
+    assert found == [npu_smi.Npu("0", "OK", "0000:C1:00.0"), npu_smi.Npu("1", "OK", "0000:C2:00.0")]
 
 
 # --- which check applies -----------------------------------------------------------------

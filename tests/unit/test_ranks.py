@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from ma_runtime.supervise import ranks, worker
+from ma_runtime.process import table as proc_table
+from ma_runtime.process.table import Proc
 from ma_runtime.supervise.ranks import Finder, program, rank_of
-from ma_runtime.supervise.worker import Proc
 
 PY = "/venv/bin/python"
 
@@ -171,18 +171,18 @@ def test_real_processes_are_read_from_proc():
                              env={**os.environ, "RANK": "4"})
     try:
         deadline = time.monotonic() + 10
-        while ranks.cmdline(child.pid)[1:2] != ["-c"] and time.monotonic() < deadline:
+        while proc_table.cmdline(child.pid)[1:2] != ["-c"] and time.monotonic() < deadline:
             time.sleep(0.01)  # until the exec is done
-        assert ranks.cmdline(child.pid)[1:] == ["-c", "import time; time.sleep(30)", "torchrun"]
-        assert ranks.environ(child.pid)["RANK"] == "4"
-        table = worker.processes()
+        assert proc_table.cmdline(child.pid)[1:] == ["-c", "import time; time.sleep(30)", "torchrun"]
+        assert proc_table.environ(child.pid)["RANK"] == "4"
+        table = proc_table.processes()
         assert table[child.pid].comm.startswith("python")
         found = Finder().find({"command": child.pid}, (), table)
         assert found[child.pid].label == "rank 4"
     finally:
         child.kill()
         child.wait()
-    assert ranks.cmdline(child.pid) == [] and ranks.environ(child.pid) == {}
+    assert proc_table.cmdline(child.pid) == [] and proc_table.environ(child.pid) == {}
 
 
 def test_each_launcher_s_declared_words_are_what_tells_its_machinery():

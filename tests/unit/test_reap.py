@@ -6,7 +6,7 @@ import subprocess
 import threading
 import time
 
-from ma_runtime.preflight.model import run_tool
+from ma_runtime.process.lifecycle import run_tool
 from ma_runtime.supervise.pid1 import reap
 
 
@@ -49,7 +49,7 @@ def test_a_tool_the_runtime_runs_itself_is_not_the_commands_process():
     """The hang monitor runs nvidia-smi while the workers run: the tree walk (stops, sweeps, the monitor's own
     activity count) must not take the tool for one of the command's processes, nor the processes it starts."""
     from ma_runtime import children
-    from ma_runtime.supervise.worker import descendants
+    from ma_runtime.process.table import descendants
 
     done = threading.Event()
     thread = threading.Thread(target=lambda: (run_tool(["sh", "-c", "sleep 1 & sleep 1; wait"], 10), done.set()))

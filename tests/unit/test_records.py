@@ -21,9 +21,11 @@ from typing import Any, Callable, Sequence, Tuple
 import pytest
 
 from ma_runtime import attempt as attempt_module
-from ma_runtime import files, hooks, records, stagein
+from ma_runtime import files, records, stagein
 from ma_runtime import spec as spec_module
 from ma_runtime.attempt import Attempt
+from ma_runtime.hooks import pip, pre_start
+from ma_runtime.hooks.running import Record
 from ma_runtime.storage import transfer
 from ma_runtime.storage.transfer import journal as journal_module
 from ma_runtime.sync.manifest import Manifest
@@ -94,12 +96,12 @@ KINDS = [
          texts=[("obs://b/code -> /job/code",)]),
     Kind("pip", lambda tmp: tmp / "state" / "pip.json",
          {"file": "/code/requirements.txt", "sha256": "ab" * 32, "python": "/usr/bin/python3"},
-         lambda path, log: hooks._Record(path, True, hooks._valid_pip, "w", "t", log).previous is not None,
+         lambda path, log: Record(path, True, pip._valid_pip, "w", "t", log).previous is not None,
          texts=[("file",), ("sha256",), ("python",)]),
     Kind("pre-start", lambda tmp: tmp / "state" / "pre-start.json",
          {"file": "/code/ma-pre-start.sh", "sha256": "cd" * 32, "env": {"set": {"TOKEN": SECRET}, "unset": ["OLD"]},
           "services": False},
-         lambda path, log: hooks._Record(path, True, hooks._valid_pre_start, "w", "t", log).previous is not None,
+         lambda path, log: Record(path, True, pre_start._valid_pre_start, "w", "t", log).previous is not None,
          texts=[("file",), ("sha256",), ("env", "set", "TOKEN"), ("env", "unset", 0)], flags=[("services",)],
          inconsistent=[("a-name-with-equals", ("env", "set"), {"A=B": "1"}),
                        ("a-nul-in-a-value", ("env", "set"), {"A": "x\x00y"})]),

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime.supervise import stacks, worker
+from ma_runtime.process import table as proc_table
+from ma_runtime.supervise.stacks import dumps
+from ma_runtime.supervise.stacks import registry as stacks_registry
+from ma_runtime.supervise.stacks import summary as stacks_summary
 from tests.conftest import alive
 from tests.recording import Log
 
@@ -80,7 +83,7 @@ class Job:
 
     def __init__(self, tmp_path: Path, base_env=None):
         self.tmp = tmp_path
-        self.registry = stacks.registry_dir(tmp_path / "state", "run1", 1)
+        self.registry = stacks_registry.registry_dir(tmp_path / "state", "run1", 1)
         self.out = tmp_path / "log" / "stacks"
         self.script = tmp_path / "train.py"
         self.script.write_text(JOB)
@@ -89,7 +92,7 @@ class Job:
         base = dict(os.environ if base_env is None else base_env)
         base.pop("RANK", None)
         base.pop("RANK_ID", None)
-        self.env = {**base, **stacks.worker_env(self.registry, base), "READY_DIR": str(self.ready_dir)}
+        self.env = {**base, **stacks_registry.worker_env(self.registry, base), "READY_DIR": str(self.ready_dir)}
         self.procs = []
 
     def start(self, *args, argv=None, **env) -> int:
@@ -105,17 +108,17 @@ class Job:
             time.sleep(0.01)
 
     def tree(self, leader: int):
-        return [leader, *worker.descendants(leader)]
+        return [leader, *proc_table.descendants(leader)]
 
     def dump(self, trees, **kwargs):
         log = Log()
         began = time.monotonic()
-        result = stacks.dump(self.registry, self.out, trees, log, **kwargs)
+        result = dumps.dump(self.registry, self.out, trees, log, **kwargs)
         return result, log, time.monotonic() - began
 
     def stop(self):
         for proc in self.procs:
-            for pid in [*worker.descendants(proc.pid), proc.pid]:
+            for pid in [*proc_table.descendants(proc.pid), proc.pid]:
                 for signum in (signal.SIGKILL, signal.SIGCONT):
                     try:
                         os.kill(pid, signum)
@@ -179,8 +182,8 @@ def test_a_ranks_helper_inherits_its_rank_variable_but_is_not_a_rank(job):
     [helper_label] = set(found.where) - {"rank 0", "rank 1"}
     assert set(found.where) == {helper_label, "rank 0", "rank 1"}
     helper = int(helper_label.split()[1])
-    assert helper_label == f"pid {helper} ({stacks._comm(helper)})"
-    assert worker.processes()[helper].ppid != agent  # the rank's helper, not a rank the agent started
+    assert helper_label == f"pid {helper} ({proc_table.comm(helper)})"
+    assert proc_table.processes()[helper].ppid != agent  # the rank's helper, not a rank the agent started
     # Only the ranks are compared: the helper waits where it does without being odd.
     assert found.odd == [] and found.describe().startswith("every rank is in train.py:9 in wait_forever")
     assert "rank-0.txt" in sorted(os.listdir(job.out))
@@ -200,7 +203,7 @@ def test_msrun_s_scheduler_is_not_rank_0_and_its_ranks_come_from_rank_id(job):
     assert ranks == ["rank 0", "rank 1", "rank 2"] and len(found.where) == 4
     assert found.odd == ["rank 2"] and found.usual_count == 2
     [rank_0] = [f["pid"] for f in log.fields("stack of a hung process") if f["process"] == "rank 0"]
-    assert stacks._environ(rank_0)["MS_ROLE"] == "MS_WORKER"
+    assert proc_table.environ(rank_0)["MS_ROLE"] == "MS_WORKER"
 
 
 def test_a_rank_started_by_a_shell_wrapper_with_the_same_variables_is_still_the_rank(job):
@@ -244,7 +247,7 @@ def test_a_process_that_exec_d_another_program_is_not_signalled(job):
     pid = job.start("exec")
     job.wait_ready(1)
     deadline = time.monotonic() + GENEROUS_S
-    while stacks._comm(pid) != "sleep":
+    while proc_table.comm(pid) != "sleep":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert (job.registry / str(pid)).exists()
@@ -281,7 +284,7 @@ def test_the_image_s_own_sitecustomize_still_runs(tmp_path):
             [sys.executable, "-c", "import sitecustomize, sys; print(sitecustomize.MARK, sys.path[1])"],
             env=job.env, capture_output=True, text=True, timeout=GENEROUS_S)
         assert probe.returncode == 0, probe.stderr
-        assert probe.stdout.split() == ["image", str(stacks.SITE_DIR)]
+        assert probe.stdout.split() == ["image", str(stacks_registry.SITE_DIR)]
         pid = job.start("wait")
         job.wait_ready(3)  # the probe's mark, the child's mark, the child's ready file
         assert (job.ready_dir / f"image-{pid}").exists()
@@ -330,7 +333,7 @@ def test_a_vanished_process_and_an_unreadable_registry_raise_nothing(job, tmp_pa
 
     assert list(found.where) == ["rank 0"]
     assert found.missing[-1] == "worker rank-2 has no Python stack: it has no living process"
-    empty = stacks.dump(tmp_path / "no-registry", tmp_path / "out", {"rank-0": [pid]}, Log())
+    empty = dumps.dump(tmp_path / "no-registry", tmp_path / "out", {"rank-0": [pid]}, Log())
     assert empty.where == {} and empty.folder is None
 
 
@@ -346,20 +349,20 @@ def test_a_vanished_process_and_an_unreadable_registry_raise_nothing(job, tmp_pa
 def test_worker_env_puts_the_site_folder_first_on_pythonpath(tmp_path, existing, expected):
     environ = {} if existing is None else {"PYTHONPATH": existing}
 
-    added = stacks.worker_env(tmp_path / "registry", environ)
+    added = stacks_registry.worker_env(tmp_path / "registry", environ)
 
-    assert added == {"PYTHONPATH": expected.format(site=stacks.SITE_DIR),
+    assert added == {"PYTHONPATH": expected.format(site=stacks_registry.SITE_DIR),
                      "MA_RUNTIME_STACKS_DIR": str(tmp_path / "registry"),
                      "MA_RUNTIME_STACKS_SIGNAL": str(signal.SIGRTMIN + 4)}
     # Nothing there that could shadow a module of the job's (bytecode aside).
-    assert set(os.listdir(stacks.SITE_DIR)) - {"__pycache__"} == {"sitecustomize.py"}
+    assert set(os.listdir(stacks_registry.SITE_DIR)) - {"__pycache__"} == {"sitecustomize.py"}
 
 
 def test_the_registry_is_created_empty_and_abandoned_ones_are_removed(tmp_path):
     root = tmp_path / "stacks"
     dead = subprocess.Popen(["true"])
     dead.wait()
-    old = time.time() - 2 * stacks.ABANDONED_SECONDS
+    old = time.time() - 2 * stacks_registry.ABANDONED_SECONDS
     for name, pid in (("abandoned-1", dead.pid), ("living-1", os.getpid()), ("young-1", dead.pid)):
         (root / name).mkdir(parents=True)
         (root / name / str(pid)).touch()
@@ -368,13 +371,13 @@ def test_the_registry_is_created_empty_and_abandoned_ones_are_removed(tmp_path):
     (root / "run-2").mkdir()
     (root / "run-2" / "12345").touch()  # a leftover of the same name
 
-    registry = stacks.registry_dir(tmp_path, "run", 2)
+    registry = stacks_registry.registry_dir(tmp_path, "run", 2)
 
     assert registry == root / "run-2" and os.listdir(registry) == []
     assert sorted(os.listdir(root)) == ["living-1", "run-2", "young-1"]
-    stacks.clean(registry)
+    stacks_registry.clean(registry)
     assert not registry.exists()
-    stacks.clean(registry)  # twice: nothing to do
+    stacks_registry.clean(registry)  # twice: nothing to do
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -405,12 +408,12 @@ Current thread 0x00007f3a2b0f5b80 (most recent call first):
 
 
 def test_parse_reads_every_thread_block():
-    threads = stacks.parse(SAMPLE)
+    threads = stacks_summary.parse(SAMPLE)
 
     assert [len(t.frames) for t in threads] == [3, 0, 2, 4]
     assert [t.truncated for t in threads] == [False, False, True, False]
-    assert threads[0].frames[1] == stacks.Frame("/opt/code/data.py", "88", "fetch")
-    main = stacks.main_thread(threads)
+    assert threads[0].frames[1] == stacks_summary.Frame("/opt/code/data.py", "88", "fetch")
+    main = stacks_summary.main_thread(threads)
     assert main.header.startswith("Current thread 0x00007f3a2b0f5b80")
     assert [f.short() for f in main.frames[:3]] == [
         "distributed_c10d.py:2050 in all_reduce", "train.py:42 in step", "train.py:80 in main"]
@@ -428,7 +431,7 @@ def test_parse_reads_every_thread_block():
     ('Thread 0x02 (most recent call first):\n  File "c.py", line 9 in h\n\n...\n', ["c.py:9 in h"]),
 ])
 def test_parse_takes_any_text_without_raising(text, frames):
-    main = stacks.main_thread(stacks.parse(text))
+    main = stacks_summary.main_thread(stacks_summary.parse(text))
 
     assert (None if main is None else [f.short() for f in main.frames]) == frames
 
@@ -437,7 +440,7 @@ def test_parse_takes_any_text_without_raising(text, frames):
 
 
 def summary(where, odd=(), usual=None, count=0, missing=(), folder=Path("/logs/stacks")):
-    return stacks.Stacks(folder, where, list(odd), usual, list(missing), count)
+    return stacks_summary.Stacks(folder, where, list(odd), usual, list(missing), count)
 
 
 @pytest.mark.parametrize("found, sentence", [
@@ -473,11 +476,11 @@ def test_many_odd_ones_are_counted_not_all_named():
 
 
 def test_no_odd_ones_without_a_strictly_largest_group():
-    a, b = stacks.Frame("a.py", "1", "f"), stacks.Frame("b.py", "2", "g")
+    a, b = stacks_summary.Frame("a.py", "1", "f"), stacks_summary.Frame("b.py", "2", "g")
 
-    assert stacks._odd_ones_out({"rank 0": a, "rank 1": b, "rank 2": a, "rank 3": b}) == ([], None, 0)
-    assert stacks._odd_ones_out({"rank 0": a, "rank 1": b, "rank 2": a}) == (["rank 1"], a, 2)
-    assert stacks._odd_ones_out({"rank 0": a, "rank 1": a}) == ([], a, 2)
+    assert stacks_summary._odd_ones_out({"rank 0": a, "rank 1": b, "rank 2": a, "rank 3": b}) == ([], None, 0)
+    assert stacks_summary._odd_ones_out({"rank 0": a, "rank 1": b, "rank 2": a}) == (["rank 1"], a, 2)
+    assert stacks_summary._odd_ones_out({"rank 0": a, "rank 1": a}) == ([], a, 2)
 
 
 # ---------------------------------------------------------------------------------------------- py-spy

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from ma_runtime import npu_smi
 from ma_runtime.supervise import devices
 from tests.unit.test_devices import GPU_NODES, NPU_IDLE, NPU_NODES, fake, job
 
@@ -231,20 +232,20 @@ def test_tool_for_names_the_tool_as_messages_quote_it(tmp_path, nodes, label):
 
 
 def test_npu_parser_reads_each_a3_chip_under_its_own_npu_row():
-    assert devices.parse_npu_utilisation(NPU_A3) == (
+    assert npu_smi.utilisation(NPU_A3) == (
         {"NPU 0": 97.0, "NPU 0 chip 1": 0.0, "NPU 1": 100.0, "NPU 1 chip 1": None}, ["NPU 0 chip 1: Critical"])
 
 
 def test_npu_parser_reads_the_wide_26_layout():
-    assert devices.parse_npu_utilisation(NPU_26_WIDE) == ({"NPU 0": 100.0, "NPU 1": 0.0}, [])
+    assert npu_smi.utilisation(NPU_26_WIDE) == ({"NPU 0": 100.0, "NPU 1": 0.0}, [])
 
 
 def test_npu_parser_reads_several_chips_under_one_npu_row():
-    assert devices.parse_npu_utilisation(NPU_310P) == ({"NPU 8": 12.0, "NPU 8 chip 1": 7.0}, ["NPU 8: Alarm"])
+    assert npu_smi.utilisation(NPU_310P) == ({"NPU 8": 12.0, "NPU 8 chip 1": 7.0}, ["NPU 8: Alarm"])
 
 
 def test_npu_parser_reads_the_idle_table_and_stops_at_the_process_table():
-    assert devices.parse_npu_utilisation(NPU_IDLE) == ({"NPU 0": 0.0, "NPU 1": 0.0}, [])
+    assert npu_smi.utilisation(NPU_IDLE) == ({"NPU 0": 0.0, "NPU 1": 0.0}, [])
 
 
 @pytest.mark.parametrize("output, quoted", [
@@ -257,7 +258,7 @@ def test_npu_parser_reads_the_idle_table_and_stops_at_the_process_table():
 ])
 def test_npu_parser_refuses_what_it_does_not_know(output, quoted):
     with pytest.raises(devices.Unparsable, match=quoted.replace("(", r"\(").replace(")", r"\)")):
-        devices.parse_npu_utilisation(output)
+        npu_smi.utilisation(output)
 
 
 # --- the GPU parser on what drivers print ---------------------------------------------------------------
