@@ -275,8 +275,8 @@ class Periods:
     """The runtime's monitor over a Job, as the supervisor runs it, with a clock that moves one period per tick."""
 
     def __init__(self, scratch: Path, job: Job):
-        from ma_runtime import children
         from ma_runtime import spec as spec_module
+        from ma_runtime.process import children
         from ma_runtime.process.table import processes
         from ma_runtime.supervise import devices, hang, ranks
 

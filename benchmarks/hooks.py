@@ -11,7 +11,7 @@ polls with sleeps of up to 50 ms and would round every figure up to its next pol
 (benchmarks/_harness.py), min/median/max over the rounds with the 1-minute load beside each.
 
 sourced     The sourcing machinery: bash sources the file between two JSON dumps of the environment made by
-            the runtime's python with `-I -S` (ma_runtime/hooks/running.py). Rows:
+            the runtime's python with `-I -S` (ma_runtime/stages/hooks/running.py). Rows:
               ma-run true with no hook (the baseline), with a no-op ma-pre-start.sh in the working directory,
               with one that exports 5 variables (one of them multi-line) and prepends PATH, and with a fake
               CANN toolkit's set_env.sh (ascend-toolkit/latest, 9 variables as the real one exports them,
@@ -389,7 +389,9 @@ def print_check(kind: str, check: Dict[str, Any], reference: str = "the entrypoi
 
 
 def sourced_rows(job: Job) -> Dict[str, Row]:
-    from ma_runtime.hooks import running as hooks  # the runtime's own sourcing script and dump, run here outside ma-run
+    from ma_runtime.stages.hooks import (
+        running as hooks,  # the runtime's own sourcing script and dump, run here outside ma-run
+    )
 
     dumps = job.scratch / "dumps"
     dumps.mkdir(exist_ok=True)

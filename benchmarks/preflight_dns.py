@@ -7,7 +7,7 @@ Volcano directory gets a `worker.host` file listing them. Inside the namespace,
 two ways are timed, round-robin (benchmarks/_harness.py), K rounds (default 5)
 after one warm-up round:
 
-  check       ma_runtime.preflight.dns.run(spec, environ): reads worker.host and
+  check       ma_runtime.stages.preflight.dns.run(spec, environ): reads worker.host and
               resolves every name on its pool of threads (the whole check)
   sequential  for name in names: socket.getaddrinfo(name, None, type=SOCK_STREAM)
 
@@ -121,7 +121,7 @@ def dns_reply(query: bytes, addresses: Dict[str, str]) -> Optional[bytes]:
 
 def time_check(volcano_dir: str) -> Dict[str, object]:
     from ma_runtime import spec
-    from ma_runtime.preflight import dns
+    from ma_runtime.stages.preflight import dns
 
     environ = {"MA_HOME": tempfile.mkdtemp(prefix="ma-home-"), "MA_RUNTIME_PREFLIGHT_VOLCANO_DIR": volcano_dir}
     job_spec = spec.load({}, environ)

@@ -15,7 +15,7 @@ process's own, round-robin (benchmarks/_harness.py), --rounds times after --warm
               a plain comprehension (no validation, no pod-name order), and
               json.dump (no indent: the C encoder) to a temporary file renamed into place: the
               same I/O with nothing but the JSON round trip
-  baseline    import ma_runtime.ranktable and read the file text, nothing else
+  baseline    import ma_runtime.stages.ranktable and read the file text, nothing else
 
 Wall time is time.perf_counter around the section inside the child. Memory:
 the tracemalloc peak of the section (one extra run per path, since tracemalloc
@@ -166,8 +166,8 @@ def child(mode: str, source: str, out: str, trace: bool) -> int:
     import gc
     import tracemalloc
 
-    from ma_runtime.ranktable import convert as table_convert
-    from ma_runtime.ranktable import wait as table_wait
+    from ma_runtime.stages.ranktable import convert as table_convert
+    from ma_runtime.stages.ranktable import wait as table_wait
 
     source_path, out_path = Path(source), Path(out)
     gc.collect()
@@ -262,7 +262,7 @@ def print_table(stats: Dict[str, Any]) -> None:
     ours, floor = stats["ma_runtime"], stats["json floor"]
     print(f"  {'ratio':<12} {ratio(ours['traced_peak_mb'], floor['traced_peak_mb']):>15} "
           f"{ratio(ours['rss_over_baseline_mb'], floor['rss_over_baseline_mb']):>9}")
-    print(f"  baseline child (import ma_runtime.ranktable, read the file): peak RSS "
+    print(f"  baseline child (import ma_runtime.stages.ranktable, read the file): peak RSS "
           f"{stats['baseline']['peak_rss_mb']:.1f} MB")
     print(f"\n  ma_runtime / json floor, wall time: {harness.comparison_text(stats['ratio'])}")
 

@@ -41,10 +41,10 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Mapping, Sequence
 
-from ma_runtime import files, records
 from ma_runtime.errors import ExitCode
 from ma_runtime.supervise.guard import LINEAGE_ENV
 from ma_runtime.supervise.supervisor import State
+from ma_runtime.util import files, records
 
 BACKOFF_CAP = 60.0
 # The runtime's own "bad configuration" is never worth a retry, whatever the setting says.

@@ -20,16 +20,17 @@ import os
 from typing import List, Mapping, Optional, Sequence
 
 from ma_runtime import attempt as attempt_module
-from ma_runtime import coordinator, ending, logs
+from ma_runtime import coordinator, ending
 from ma_runtime import spec as spec_module
 from ma_runtime import verdict as verdict_module
 from ma_runtime.errors import ConfigError, ExitCode, RuntimeFailure
-from ma_runtime.redact import Masker
 from ma_runtime.run_context import RunContext
 from ma_runtime.stages import flow
 from ma_runtime.supervise import attempt_processes
 from ma_runtime.supervise.signals import SignalQueue
 from ma_runtime.supervise.supervisor import State
+from ma_runtime.util import logs
+from ma_runtime.util.redact import Masker
 
 
 def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], print_config: bool,

@@ -9,18 +9,19 @@ import sys
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from ma_runtime import logs, stagein
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut, RuntimeFailure
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch.args import build_argv
 from ma_runtime.launch.peers import resolve_until
-from ma_runtime.redact import Masker
+from ma_runtime.stages import stagein
+from ma_runtime.util import logs
+from ma_runtime.util.redact import Masker
 
 
 def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Sequence[str], as_json: bool) -> int:
     """`ma-preflight`: the checks alone, for operators; the report on stdout."""
-    from ma_runtime.preflight import runner
+    from ma_runtime.stages.preflight import runner
 
     masker = Masker.from_environ()
     logs.configure(spec_module.early_log_format(os.environ), masker=masker)
@@ -43,7 +44,7 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
 
 def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[str], as_json: bool) -> int:
     """`ma-runtime plan`: what `run` would start, on stdout; nothing is started or downloaded."""
-    from ma_runtime import ranktable
+    from ma_runtime.stages import ranktable
 
     masker = Masker.from_environ()
     logs.configure(spec_module.early_log_format(os.environ), masker=masker)
@@ -77,8 +78,8 @@ def _resolve_once(host: str) -> str:
 
 def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int:
     """`ma-runtime ranktable wait`: the table's path on stdout once it says completed."""
-    from ma_runtime.ranktable import convert as table_convert
-    from ma_runtime.ranktable import wait as table_wait
+    from ma_runtime.stages.ranktable import convert as table_convert
+    from ma_runtime.stages.ranktable import wait as table_wait
 
     log, spec = _tool_setup()
     if spec is None:
@@ -98,8 +99,8 @@ def ranktable_wait_command(path: Optional[str], timeout: Optional[float]) -> int
 
 def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
     """`ma-runtime ranktable convert IN [OUT]`: template one to OUT (atomically) or stdout."""
-    from ma_runtime.ranktable import convert as table_convert
-    from ma_runtime.ranktable import wait as table_wait
+    from ma_runtime.stages.ranktable import convert as table_convert
+    from ma_runtime.stages.ranktable import wait as table_wait
 
     log, spec = _tool_setup()
     if spec is None:

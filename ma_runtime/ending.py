@@ -8,13 +8,14 @@ own; the termination message; the final sync, and what an incomplete one makes o
 import time
 from typing import Any, Dict, List, Optional
 
-from ma_runtime import logs, termination
+from ma_runtime import termination
 from ma_runtime import verdict as verdict_module
 from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
 from ma_runtime.supervise.supervisor import Outcome
 from ma_runtime.supervise.worker import SIGNAL_NAMES
+from ma_runtime.util import logs
 
 # The files a final sync missed, one log line each, up to this many (the termination message lists them too).
 MAX_UNSYNCED_LINES = 50

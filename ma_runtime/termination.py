@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ma_runtime import files
+from ma_runtime.util import files
 
 # Kubernetes truncates a container's termination message at 4096 bytes.
 MAX_BYTES = 4096

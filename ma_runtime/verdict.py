@@ -19,10 +19,10 @@ import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ma_runtime.errors import Category, ExitCode
-from ma_runtime.output import tail_of
 from ma_runtime.process import lifecycle
 from ma_runtime.supervise.supervisor import Outcome, State
 from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker
+from ma_runtime.util.output import tail_of
 
 TAIL_LINES = 20
 # How much of the deciding worker's output a launcher's root-cause parser reads.

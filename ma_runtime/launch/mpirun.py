@@ -43,8 +43,8 @@ from ma_runtime.launch.base import (
     split_extra,
     worker_hosts,
 )
-from ma_runtime.redact import is_secret_name
 from ma_runtime.setting import INTERFACES, Setting, env_names, integer, matching, port, text
+from ma_runtime.util.redact import is_secret_name
 
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
 SETTINGS = (

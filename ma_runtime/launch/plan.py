@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from ma_runtime.launch import registry
 from ma_runtime.launch.base import Context, Plan, Size, WorkerPlan, common_env, master_host, worker_hosts
-from ma_runtime.preflight import accelerator
+from ma_runtime.stages.preflight import accelerator
 
 __all__ = ["RTF", "TORCHRUN", "MSRUN", "PLAIN", "METHODS", "Context", "Plan", "Size", "WorkerPlan", "common_env",
            "master_host", "worker_hosts", "choose", "build", "render"]

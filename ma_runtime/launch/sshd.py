@@ -60,10 +60,9 @@ import time
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence
 
-from ma_runtime import children
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut, too_large_for_exec
-from ma_runtime.files import NotAFile, read_regular, write_atomically
-from ma_runtime.process import lifecycle
+from ma_runtime.process import children, lifecycle
+from ma_runtime.util.files import NotAFile, read_regular, write_atomically
 
 PLACEHOLDER = "{{MY_SSHD_PORT}}"
 _FILE_LIMIT = 1 << 20  # a trust file or a config is a few KiB
@@ -522,7 +521,7 @@ def _pid_in(path: Path) -> Optional[int]:
 
 
 def _last_line(worker) -> str:
-    from ma_runtime.output import tail_of
+    from ma_runtime.util.output import tail_of
 
     lines = [line.strip() for line in tail_of(worker.pumps, 5, prefer=worker.stderr_pump) if line.strip()]
     return lines[-1] if lines else ""

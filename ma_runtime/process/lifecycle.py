@@ -19,8 +19,8 @@ import subprocess
 import time
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
-from ma_runtime import children
 from ma_runtime.errors import too_large_for_exec
+from ma_runtime.process import children
 from ma_runtime.process.table import Proc
 
 # States of a process that cannot run: stopped by a signal, or by a tracer.

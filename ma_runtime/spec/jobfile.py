@@ -39,7 +39,7 @@ def config_path(flag_value: Optional[str], environ: Mapping[str, str]) -> Option
     except OSError:
         raise ConfigError(f"{where}={shown(text)}: no such job file", hint="give the path of a YAML job file") from None
     if not stat.S_ISREG(mode):
-        from ma_runtime.files import kind_of
+        from ma_runtime.util.files import kind_of
 
         raise ConfigError(f"{where}={shown(text)} is {kind_of(mode)}, not a job file",
                           hint="give the path of a YAML job file") from None
@@ -61,7 +61,7 @@ def read(path: Path) -> Dict[str, Any]:
 
 
 def _read_bounded(path: Path) -> str:
-    from ma_runtime import files
+    from ma_runtime.util import files
 
     try:
         data = files.read_regular(path, MAX_JOB_FILE_BYTES)

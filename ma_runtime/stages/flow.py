@@ -12,14 +12,14 @@ import os
 import threading
 from typing import Any, Mapping, Sequence
 
-from ma_runtime import logs
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import PreflightFailed
 from ma_runtime.launch import peers, registry
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch.args import build_argv
-from ma_runtime.stagein import Staged, stage_in
+from ma_runtime.stages.stagein import Staged, stage_in
 from ma_runtime.supervise import attempt_processes
+from ma_runtime.util import logs
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class Prepared:
 def before_the_command(spec: spec_module.JobSpec, first, command: Sequence[str], context,
                        stopped: threading.Event) -> Prepared:
     """Preflight, stage-in, the hooks, the rank table, the launcher's services: once per run."""
-    from ma_runtime.hooks import stage as hooks
+    from ma_runtime.stages.hooks import stage as hooks
 
     log = logs.get_logger()
     _preflight(spec, log)
@@ -48,7 +48,7 @@ def before_the_command(spec: spec_module.JobSpec, first, command: Sequence[str],
                             exclude=(context.guard.pid,) if context.guard is not None else ())
     rank_table = None
     if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
-        from ma_runtime import ranktable
+        from ma_runtime.stages import ranktable
 
         rank_table = ranktable.wait_and_convert(spec, os.environ, log)
         staged.env.update(rank_table.env)
@@ -64,7 +64,7 @@ def _preflight(spec: spec_module.JobSpec, log) -> None:
         switch = "MA_SKIP_IMAGE_DETECT=0" if spec.skip_image_detect == "0" else "MA_RUNTIME_PREFLIGHT=off"
         log.info("preflight skipped", reason=switch)
         return
-    from ma_runtime.preflight import runner
+    from ma_runtime.stages.preflight import runner
 
     report = runner.run(spec, os.environ, runner.select(spec.preflight_checks), log)
     if not report.ok:
@@ -87,7 +87,7 @@ def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, 
 def for_attempt(spec: spec_module.JobSpec, prepared: Prepared, attempt, _stopped: threading.Event) -> Prepared:
     """What attempt N's plan and workers start from: MA_RESUME_CHECKPOINT looked for again (resume.py), since
     the attempt before may have saved a newer checkpoint; `prepared` itself stays as the stages left it."""
-    from ma_runtime import resume
+    from ma_runtime.stages import resume
 
     environ = resume.environ_for(spec, prepared.environ, attempt.number, logs.get_logger())
     return dataclasses.replace(prepared, environ=environ)
@@ -128,7 +128,7 @@ def refresh(spec: spec_module.JobSpec, prepared: Prepared, _stopped: threading.E
     """The rank table again, converted again only if the platform rewrote it; stage-in is not repeated."""
     if prepared.rank_table is None:
         return prepared
-    from ma_runtime import ranktable
+    from ma_runtime.stages import ranktable
 
     if ranktable.unchanged(prepared.rank_table):
         return prepared

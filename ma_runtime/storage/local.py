@@ -47,7 +47,6 @@ import uuid
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
-from ma_runtime.files import kind_of, writable_target, write_atomically, write_atomically_from
 from ma_runtime.storage.base import (
     CorruptTransfer,
     FileChanged,
@@ -60,6 +59,7 @@ from ma_runtime.storage.base import (
     confirmed,
     refused,
 )
+from ma_runtime.util.files import kind_of, writable_target, write_atomically, write_atomically_from
 
 CHUNK = 1 << 20
 UPLOAD_ID_LENGTH = 8

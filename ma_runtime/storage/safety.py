@@ -17,7 +17,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
-from ma_runtime.files import kind_of
+from ma_runtime.util.files import kind_of
 
 NAME_MAX = 255  # bytes in one path part (Linux)
 PATH_MAX = 4096  # bytes in a path, its terminating NUL included

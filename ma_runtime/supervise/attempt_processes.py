@@ -10,18 +10,19 @@ import signal
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime import __version__, logs
+from ma_runtime import __version__
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import ConfigError
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
 from ma_runtime.launch.base import common_env
-from ma_runtime.output import Sink
 from ma_runtime.spec.table import EXPORTED
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import is_pid1
 from ma_runtime.supervise.supervisor import Outcome, Supervisor
 from ma_runtime.supervise.worker import Worker, spawn
+from ma_runtime.util import logs
+from ma_runtime.util.output import Sink
 
 
 class _HangWatch:
@@ -149,7 +150,7 @@ def _follow_rank_logs(folder: Optional[str], context, extra_sinks: Sequence[Sink
 
 def _write_files(plan) -> None:
     """The files the plan's processes read (mpirun's hostfile), whole before any starts."""
-    from ma_runtime.files import write_atomically
+    from ma_runtime.util.files import write_atomically
 
     for planned in plan.workers:
         for path, text in planned.files.items():

@@ -38,12 +38,12 @@ import shutil
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-from ma_runtime import npu_smi
 from ma_runtime.errors import DeviceNotReleased
-from ma_runtime.npu_smi import BUS_ID, NO_READING, Unparsable, memory_mb, reading
-from ma_runtime.preflight import accelerator
-from ma_runtime.preflight.accelerator import GPU, first_line
 from ma_runtime.process.lifecycle import ToolError, run_tool
+from ma_runtime.stages.preflight import accelerator
+from ma_runtime.stages.preflight.accelerator import GPU, first_line
+from ma_runtime.util import npu_smi
+from ma_runtime.util.npu_smi import BUS_ID, NO_READING, Unparsable, memory_mb, reading
 
 # npu-smi takes a good part of a second per call and walks every card's driver; asking more often
 # would load the driver the ranks are leaving without ending the wait any sooner.

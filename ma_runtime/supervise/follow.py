@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from ma_runtime.output import Sink, prefix_lines
+from ma_runtime.util.output import Sink, prefix_lines
 
 _WORKER_LOG = re.compile(r"worker_(\d+)\.log\Z")
 _READ = 1 << 20

@@ -95,7 +95,7 @@ class Config:
 
 def configure(spec: Any, environ: Mapping[str, str], log) -> Optional[Config]:
     """The run's hang detection, or None when it is off; says which in one line."""
-    from ma_runtime.preflight import accelerator  # the preflight's, loaded already
+    from ma_runtime.stages.preflight import accelerator  # the preflight's, loaded already
 
     window = spec.hang_window_seconds
     if spec.hang_detect == "off":

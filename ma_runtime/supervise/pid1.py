@@ -15,7 +15,7 @@ import ctypes.util
 import os
 from typing import Dict, Optional, Sequence
 
-from ma_runtime import children
+from ma_runtime.process import children
 from ma_runtime.process.table import argument_area
 
 PR_SET_NAME = 15

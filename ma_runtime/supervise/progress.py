@@ -38,10 +38,10 @@ import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
-from ma_runtime import children, output
-from ma_runtime.output import Sink
-from ma_runtime.process import lifecycle
+from ma_runtime.process import children, lifecycle
 from ma_runtime.supervise import matcher
+from ma_runtime.util import output
+from ma_runtime.util.output import Sink
 
 SETTING = "MA_RUNTIME_PROGRESS_PATTERN"
 RESTARTS = 3

@@ -26,9 +26,8 @@ import signal
 import time
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Union
 
-from ma_runtime import children
 from ma_runtime.errors import ExitCode
-from ma_runtime.process import lifecycle
+from ma_runtime.process import children, lifecycle
 from ma_runtime.process.lifecycle import kill_all, sweep
 from ma_runtime.process.table import Proc, descendants, processes
 from ma_runtime.supervise import ranks

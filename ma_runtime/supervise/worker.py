@@ -7,8 +7,8 @@ import subprocess
 from typing import List, Mapping, Optional, Sequence
 
 from ma_runtime.errors import TOO_LARGE_HINT, CommandNotExecutable, CommandNotFound, too_large_for_exec
-from ma_runtime.output import LinePump, Sink, SinkSpec
 from ma_runtime.process import lifecycle
+from ma_runtime.util.output import LinePump, Sink, SinkSpec
 
 
 class Worker:

@@ -29,8 +29,7 @@ import threading
 import time
 from typing import List, Optional, Tuple
 
-from ma_runtime import children
-from ma_runtime.process import lifecycle
+from ma_runtime.process import children, lifecycle
 
 DIED_EVENT = "output and log upload process exited; files will no longer be synced"
 RESTARTS = 1

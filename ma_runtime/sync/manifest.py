@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
 
-from ma_runtime import records
-from ma_runtime.files import write_atomically
+from ma_runtime.util import records
+from ma_runtime.util.files import write_atomically
 
 VERSION = 1
 SAVE_SECONDS = 2.0  # during a long cycle; at its end always

@@ -20,7 +20,7 @@ import os
 import stat
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
 
-from ma_runtime.files import kind_of
+from ma_runtime.util.files import kind_of
 
 
 class Entry(NamedTuple):

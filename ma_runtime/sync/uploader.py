@@ -71,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         _serve(config, lines)
     except Exception as exc:  # noqa: BLE001 - one line, then the runtime reports the death as the platform does
-        from ma_runtime import logs
+        from ma_runtime.util import logs
 
         logs.get_logger().error("upload process failed", error=f"{type(exc).__name__}: {exc}")
         os._exit(1)
@@ -79,9 +79,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _serve(config: dict, lines) -> None:
-    from ma_runtime import logs
-    from ma_runtime.output import Sink
-    from ma_runtime.redact import Masker
+    from ma_runtime.util import logs
+    from ma_runtime.util.output import Sink
+    from ma_runtime.util.redact import Masker
 
     spec = pickle.loads(base64.b64decode(config["spec"]))  # from the runtime, our parent: see control.Uploader
     logs.configure(spec.log_format, spec.log_level, Masker.from_environ())

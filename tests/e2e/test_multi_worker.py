@@ -18,8 +18,8 @@ from tests.conftest import marked, wait_for_file
 
 DRIVER = r"""
 import dataclasses, json, os, sys
-from ma_runtime import logs
-from ma_runtime.output import Sink
+from ma_runtime.util import logs
+from ma_runtime.util.output import Sink
 from ma_runtime.supervise.pid1 import become_subreaper
 from ma_runtime.supervise.signals import SignalQueue
 from ma_runtime.supervise.supervisor import Supervisor

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from ma_runtime.ranktable import wait as table_wait
-from ma_runtime.ranktable.model import RankTableTimeout
+from ma_runtime.stages.ranktable import wait as table_wait
+from ma_runtime.stages.ranktable.model import RankTableTimeout
 from tests.conftest import MA_RUNTIME, ROOT, log_dir, run_ma
 
 DATA = ROOT / "tests" / "data" / "ranktable"

@@ -66,9 +66,10 @@ def test_lightning_ddp_under_plain_stopped_by_sigterm_gets_the_documented_code(j
 # to exit 1 at the moment the supervisor decides to kill it, and the kill waits until it has (unreaped, WNOWAIT).
 DRIVER = textwrap.dedent(r"""
     import json, os, signal, sys
-    from ma_runtime import logs, verdict
+    from ma_runtime.util import logs
+    from ma_runtime import verdict
     from ma_runtime.launch import plain, plan
-    from ma_runtime.output import Sink
+    from ma_runtime.util.output import Sink
     from ma_runtime.supervise.signals import SignalQueue
     from ma_runtime.supervise.supervisor import Supervisor
     from ma_runtime.supervise.worker import spawn

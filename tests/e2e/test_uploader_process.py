@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ma_runtime import children
 from ma_runtime import spec as spec_module
+from ma_runtime.process import children
 from ma_runtime.sync import control
 from tests.e2e.test_sync import (
     Run,

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ma_runtime import files
+from ma_runtime.util import files
 
 
 def test_read_regular_reads_a_file_and_says_none_for_a_missing_one(tmp_path):

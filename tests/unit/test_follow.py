@@ -3,8 +3,8 @@
 import os
 import time
 
-from ma_runtime.output import Sink
 from ma_runtime.supervise.follow import LogFollower
+from ma_runtime.util.output import Sink
 
 
 def follow(tmp_path, interval=0.02):

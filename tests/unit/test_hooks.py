@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import spec
-from ma_runtime.hooks import pip
-from ma_runtime.hooks.env import Env, diff, job_python, parse_env_file
-from ma_runtime.hooks.pre_start import boot_file
 from ma_runtime.process import lifecycle
+from ma_runtime.stages.hooks import pip
+from ma_runtime.stages.hooks.env import Env, diff, job_python, parse_env_file
+from ma_runtime.stages.hooks.pre_start import boot_file
 
 
 def test_the_difference_is_what_changed_and_what_went_but_not_the_shells_own():

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import children, spec
+from ma_runtime import spec
 from ma_runtime.errors import ConfigError
 from ma_runtime.launch import registry, sshd
-from ma_runtime.ranktable import model as table_model
+from ma_runtime.process import children
+from ma_runtime.stages.ranktable import model as table_model
 from tests.conftest import MA_RUNTIME, alive, free_port
 from tests.recording import Log
 from tests.unit.test_mpirun import _SBIN_PATH, login, needs_sshd, trust

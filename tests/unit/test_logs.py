@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ma_runtime.redact import MASK, Masker
+from ma_runtime.util.redact import MASK, Masker
 from tests.conftest import run_ma, task_log
 
 LOGFMT_LINE = re.compile(r'^time="[0-9T:.\-]+Z" level=(info|warning|error|debug) msg="[^"]*" Component=ma-runtime( |$)')
@@ -171,7 +171,7 @@ ADVERSARIAL = {"dashes": "-" * 200_000, "letters": "a" * 200_000, "secret words"
 def test_the_masker_is_linear_in_its_input(text):
     # A hang guard, not a speed test: the old patterns took 35 s for 16 000 dashes and grow with the
     # square of the length; 200 KB would take hours. Run in a child so a regression fails, not hangs.
-    code = "import sys; from ma_runtime.redact import Masker; Masker(['a-secret-value']).text(sys.stdin.read())"
+    code = "import sys; from ma_runtime.util.redact import Masker; Masker(['a-secret-value']).text(sys.stdin.read())"
     done = subprocess.run([sys.executable, "-c", code], input=text, text=True, timeout=30)
     assert done.returncode == 0
 
@@ -184,7 +184,7 @@ def test_undecodable_bytes_are_written_escaped():
 def test_asyncio_is_imported_only_when_used():
     # structlog imports asyncio for methods the runtime never calls: a fifth of the start-up, deferred.
     code = (
-        "import sys, ma_runtime.logs as logs\n"
+        "import sys, ma_runtime.util.logs as logs\n"
         "assert 'asyncio.events' not in sys.modules, 'imported at start-up'\n"
         "logs.configure(); logs.get_logger().info('hello')\n"
         "assert 'asyncio.events' not in sys.modules, 'imported by a log line'\n"

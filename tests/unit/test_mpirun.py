@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import children, spec
+from ma_runtime import spec
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
 from ma_runtime.launch import mpirun, plan, sshd
 from ma_runtime.launch.base import RootCause
-from ma_runtime.output import Sink
+from ma_runtime.process import children
 from ma_runtime.process.table import processes
+from ma_runtime.util.output import Sink
 from tests.conftest import alive, free_port, wait_for_file
 from tests.recording import Log
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ma_runtime import npu_smi
+from ma_runtime.util import npu_smi
 
 FAKE = Path(__file__).resolve().parent.parent / "fakes" / "npu-smi"
 

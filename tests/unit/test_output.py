@@ -3,7 +3,7 @@
 import os
 import threading
 
-from ma_runtime.output import LinePump, Sink
+from ma_runtime.util.output import LinePump, Sink
 
 
 def pump_through(tmp_path, data: bytes, max_line_bytes: int = 1 << 20):

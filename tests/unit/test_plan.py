@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import ranktable, spec, stagein
+from ma_runtime import spec
 from ma_runtime.errors import ConfigError, ExitCode
 from ma_runtime.launch import plan
 from ma_runtime.launch.args import build_argv
-from ma_runtime.ranktable import convert as table_convert
-from ma_runtime.ranktable import model as table_model
-from ma_runtime.ranktable import node as table_node
+from ma_runtime.stages import ranktable, stagein
+from ma_runtime.stages.ranktable import convert as table_convert
+from ma_runtime.stages.ranktable import model as table_model
+from ma_runtime.stages.ranktable import node as table_node
 from tests.conftest import MA_RUNTIME
 
 UUID = "0f8e2c1a-5b6d-4e7f-8a9b-0c1d2e3f4a5b"

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ma_runtime.preflight import disk
-from ma_runtime.preflight.model import Status
+from ma_runtime.stages.preflight import disk
+from ma_runtime.stages.preflight.model import Status
 from tests.conftest import MA_RUN, MA_RUNTIME, log_dir
 
 MA_PREFLIGHT = os.path.join(os.path.dirname(MA_RUN), "ma-preflight")

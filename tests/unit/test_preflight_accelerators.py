@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import npu_smi, spec
-from ma_runtime.preflight import accelerator, gpu, npu
-from ma_runtime.preflight.model import Status
+from ma_runtime import spec
+from ma_runtime.stages.preflight import accelerator, gpu, npu
+from ma_runtime.stages.preflight.model import Status
+from ma_runtime.util import npu_smi
 
 FAKES = Path(__file__).resolve().parent.parent / "fakes"
 GPU_NODES = [f"nvidia{i}" for i in range(8)] + ["nvidiactl", "nvidia-uvm"]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import spec
-from ma_runtime.preflight import dns
-from ma_runtime.preflight.model import Status
+from ma_runtime.stages.preflight import dns
+from ma_runtime.stages.preflight.model import Status
 from tests.conftest import MA_RUN
 
 MA_PREFLIGHT = os.path.join(os.path.dirname(MA_RUN), "ma-preflight")
@@ -167,7 +167,7 @@ def test_a_late_answer_from_an_overdue_lookup_still_counts():
 def test_a_hung_lookup_does_not_keep_the_interpreter_from_exiting():
     child = (
         "import time\n"
-        "from ma_runtime.preflight import dns\n"
+        "from ma_runtime.stages.preflight import dns\n"
         "outcome = dns.resolve(['hung.job'], timeout=0.2, deadline=0.5, lookup=lambda name: time.sleep(600))\n"
         "print(outcome.unresolved)\n"
     )
@@ -321,7 +321,7 @@ _netns_numbers = itertools.count()
 CHILD = """\
 import json, os
 from ma_runtime import spec
-from ma_runtime.preflight import dns
+from ma_runtime.stages.preflight import dns
 (result,) = dns.run(spec.load({}, os.environ), os.environ)
 print(json.dumps(result.to_dict()))
 """

@@ -14,12 +14,13 @@ import time
 
 import pytest
 
-from ma_runtime import children, output
+from ma_runtime.process import children
 from ma_runtime.setting import BadValue
 from ma_runtime.setting import regex as _regex
 from ma_runtime.supervise import matcher, progress
 from ma_runtime.supervise.progress import ProgressSink
 from ma_runtime.sync.units import Units
+from ma_runtime.util import output
 
 PATIENCE = 30.0
 # (pattern, a line it backtracks catastrophically on): each runs for hours in plain `re`.

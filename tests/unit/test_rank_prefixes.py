@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ma_runtime.output import LinePump, Sink, prefix_lines
+from ma_runtime.util.output import LinePump, Sink, prefix_lines
 
 P = b"[rank 3] "
 

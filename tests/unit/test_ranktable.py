@@ -14,14 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ma_runtime import ranktable
 from ma_runtime import spec as job_spec
 from ma_runtime.errors import ExitCode
-from ma_runtime.ranktable import convert as table_convert
-from ma_runtime.ranktable import model as table_model
-from ma_runtime.ranktable import node as table_node
-from ma_runtime.ranktable import wait as table_wait
-from ma_runtime.ranktable.model import RankTableError, RankTableTimeout
+from ma_runtime.stages import ranktable
+from ma_runtime.stages.ranktable import convert as table_convert
+from ma_runtime.stages.ranktable import model as table_model
+from ma_runtime.stages.ranktable import node as table_node
+from ma_runtime.stages.ranktable import wait as table_wait
+from ma_runtime.stages.ranktable.model import RankTableError, RankTableTimeout
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "ranktable"
 CASES = sorted(path.name[: -len(".template2.json")] for path in DATA.glob("*.template2.json"))

@@ -48,7 +48,7 @@ def test_tracked_workers_and_orphans_are_still_reaped():
 def test_a_tool_the_runtime_runs_itself_is_not_the_commands_process():
     """The hang monitor runs nvidia-smi while the workers run: the tree walk (stops, sweeps, the monitor's own
     activity count) must not take the tool for one of the command's processes, nor the processes it starts."""
-    from ma_runtime import children
+    from ma_runtime.process import children
     from ma_runtime.process.table import descendants
 
     done = threading.Event()

@@ -21,14 +21,15 @@ from typing import Any, Callable, Sequence, Tuple
 import pytest
 
 from ma_runtime import attempt as attempt_module
-from ma_runtime import files, records, stagein
 from ma_runtime import spec as spec_module
 from ma_runtime.attempt import Attempt
-from ma_runtime.hooks import pip, pre_start
-from ma_runtime.hooks.running import Record
+from ma_runtime.stages import stagein
+from ma_runtime.stages.hooks import pip, pre_start
+from ma_runtime.stages.hooks.running import Record
 from ma_runtime.storage import transfer
 from ma_runtime.storage.transfer import journal as journal_module
 from ma_runtime.sync.manifest import Manifest
+from ma_runtime.util import files, records
 from tests.recording import Log
 from tests.uploads import upload_file
 

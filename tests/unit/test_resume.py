@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ma_runtime import resume
 from ma_runtime import spec as spec_module
+from ma_runtime.stages import resume
 from ma_runtime.sync import units
 from tests.recording import Log
 

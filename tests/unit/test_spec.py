@@ -328,7 +328,7 @@ def test_each_launchers_settings_are_declared_in_its_module_and_collected():
 
 
 @pytest.mark.parametrize("first", ["ma_runtime.launch.mpirun", "ma_runtime.launch.torchrun", "ma_runtime.setting",
-                                   "ma_runtime.spec.jobfile", "ma_runtime.ranktable"])
+                                   "ma_runtime.spec.jobfile", "ma_runtime.stages.ranktable"])
 def test_any_module_may_be_imported_first(first):
     # The launchers declare rows that spec collects through the registry: no import order may break the cycle.
     import subprocess

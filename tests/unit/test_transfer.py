@@ -574,7 +574,7 @@ def test_a_killed_download_resumes_with_only_the_missing_parts(tmp_path):
 SLOW_CHILD = """
 import sys, time
 from pathlib import Path
-from ma_runtime.logs import get_logger
+from ma_runtime.util.logs import get_logger
 from ma_runtime.storage import transfer, url
 from ma_runtime.storage.local import LocalStore
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from ma_runtime import npu_smi
 from ma_runtime.supervise import devices
+from ma_runtime.util import npu_smi
 from tests.unit.test_devices import GPU_NODES, NPU_IDLE, NPU_NODES, fake, job
 
 GPU_BUSES = ["00000000:07:00.0", "00000000:0F:00.0", "00000000:47:00.0", "00000000:4E:00.0",

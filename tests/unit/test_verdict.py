@@ -8,8 +8,8 @@ import pytest
 from ma_runtime import verdict
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import torchrun
-from ma_runtime.output import LinePump
 from ma_runtime.supervise.supervisor import Outcome, State
+from ma_runtime.util.output import LinePump
 
 SUMMARY = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:

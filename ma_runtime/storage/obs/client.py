@@ -9,12 +9,12 @@ from urllib.parse import urlsplit
 
 from obs import ObsClient
 
-from ma_runtime.credentials import ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE, TOKEN_VARIABLE
 from ma_runtime.errors import ConfigError
-from ma_runtime.redact import Masker
 from ma_runtime.storage.base import (
     StorageError,
 )
+from ma_runtime.util.credentials import ACCESS_KEY_VARIABLE, SECRET_KEY_VARIABLE, TOKEN_VARIABLE
+from ma_runtime.util.redact import Masker
 
 try:  # requests (an SDK dependency) brings urllib3, whose errors are not all OSErrors
     from urllib3.exceptions import HTTPError as Urllib3Error

@@ -13,7 +13,6 @@ from urllib.parse import urlsplit
 from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
 from obs.const import MIME_TYPES
 
-from ma_runtime.redact import Masker
 from ma_runtime.storage import signed
 from ma_runtime.storage.base import (
     FileChanged,
@@ -41,6 +40,7 @@ from ma_runtime.storage.obs.client import (
 )
 from ma_runtime.storage.obs.failures import UploadGone
 from ma_runtime.storage.obs.listing import Listing, UploadListing, parse_listing, parse_uploads, unquote_etag
+from ma_runtime.util.redact import Masker
 
 CHUNK = 1 << 20  # bytes read from a body and written to the file at a time
 PAGE_SIZE = 1000  # keys (or multipart uploads) per listing request, the server's maximum

@@ -7,9 +7,9 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ma_runtime import records
-from ma_runtime.files import open_append, write_atomically
 from ma_runtime.storage.transfer.utils import remove
+from ma_runtime.util import records
+from ma_runtime.util.files import open_append, write_atomically
 
 JOURNAL_BATCH = 256  # journal lines written at a time
 

@@ -8,10 +8,10 @@ import stat
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ma_runtime.files import NotAFile, kind_of
 from ma_runtime.storage.base import CorruptTransfer, ObjectInfo, StorageError
 from ma_runtime.storage.transfer.hashing import md5_of
 from ma_runtime.storage.transfer.utils import name_digest, remove
+from ma_runtime.util.files import NotAFile, kind_of
 
 PARTIAL_SUFFIX = ".ma-partial"
 # The staging folder at a destination's root, when a rename from `<state_dir>/partial` cannot reach it.

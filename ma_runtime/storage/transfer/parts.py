@@ -7,13 +7,13 @@ import stat
 import threading
 from typing import Dict, Optional, Set
 
-from ma_runtime import records
 from ma_runtime.storage.base import TransientError
 from ma_runtime.storage.transfer.hashing import InOrderHash
 from ma_runtime.storage.transfer.journal import valid_download
 from ma_runtime.storage.transfer.options import MiB, TransferOptions
 from ma_runtime.storage.transfer.partial import Item, corrupt, open_fresh, verify
 from ma_runtime.storage.transfer.utils import name_digest, remove, write_json
+from ma_runtime.util import records
 
 # Parts shrink towards this to keep every worker busy on a mid-sized object, never below it.
 MIN_PART = 8 * MiB

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from ma_runtime import records
 from ma_runtime.storage.base import FileChanged, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.progress import Progress
 from ma_runtime.storage.transfer.journal import valid_upload
@@ -20,6 +19,7 @@ from ma_runtime.storage.transfer.utils import (
     remove,
     write_json,
 )
+from ma_runtime.util import records
 
 # S3's multipart limits (OBS's are looser): parts of at least 5 MiB but the last, at most 10 000 parts.
 MIN_UPLOAD_PART = 5 * MiB

@@ -6,9 +6,9 @@ import os
 import stat
 from pathlib import Path
 
-from ma_runtime.files import write_atomically
 from ma_runtime.storage.base import StorageError
 from ma_runtime.storage.url import Location
+from ma_runtime.util.files import write_atomically
 
 
 def object_url(location: Location, key: str) -> str:

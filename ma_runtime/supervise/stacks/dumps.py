@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ma_runtime import files
 from ma_runtime.process import table as proc_table
 from ma_runtime.process.lifecycle import ToolError, run_tool
 from ma_runtime.supervise import ranks
 from ma_runtime.supervise.stacks.registry import DIR_ENV, stack_signal
 from ma_runtime.supervise.stacks.summary import Stacks, Thread, log_summary, parse, summarise
+from ma_runtime.util import files
 
 # A file grown and unchanged over one poll is a complete dump: the C handler writes it in one go.
 POLL_SECONDS = 0.02

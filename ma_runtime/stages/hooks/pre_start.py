@@ -6,10 +6,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ma_runtime import children, records
 from ma_runtime.errors import HookFailed
-from ma_runtime.hooks.env import Env, command_words, job_python
-from ma_runtime.hooks.running import HookStage, Record, Result, sha256, source, supervised, with_env_file
+from ma_runtime.process import children
+from ma_runtime.stages.hooks.env import Env, command_words, job_python
+from ma_runtime.stages.hooks.running import HookStage, Record, Result, sha256, source, supervised, with_env_file
+from ma_runtime.util import records
 
 HOOK_NAMES = ("ma-pre-start.sh", "ma-pre-start.py")  # in this order: the first found runs, alone
 

@@ -29,7 +29,7 @@ import re
 from typing import Any, Iterable, List, Mapping, Optional
 from urllib.parse import quote, quote_plus
 
-from ma_runtime.credentials import CREDENTIAL_VARIABLES
+from ma_runtime.util.credentials import CREDENTIAL_VARIABLES
 
 MASK = "******"
 

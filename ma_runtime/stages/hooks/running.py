@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ma_runtime import records
 from ma_runtime.errors import TOO_LARGE_HINT, RuntimeFailure, exceeds_exec_limits, too_large_for_exec
-from ma_runtime.files import RECORD_LIMIT, read_regular, write_atomically
-from ma_runtime.hooks.env import ENV_FILE_LIMIT, ENV_FILE_VAR, Env, diff, parse_env_file
-from ma_runtime.output import Sink
 from ma_runtime.process import lifecycle
 from ma_runtime.spec import JobSpec
+from ma_runtime.stages.hooks.env import ENV_FILE_LIMIT, ENV_FILE_VAR, Env, diff, parse_env_file
+from ma_runtime.util import records
+from ma_runtime.util.files import RECORD_LIMIT, read_regular, write_atomically
+from ma_runtime.util.output import Sink
 
 # Each step's output on the console and in the task log behind its own prefix.
 _PREFIXES = {"pip": b"[pip] ", "cann": b"[set_env.sh] ", "pre-start": b"[ma-pre-start] "}
@@ -63,7 +63,7 @@ class HookStage:
     def code_dir(self) -> Path:
         """The downloaded code directory, else where the command runs."""
         if self.spec.code_url:
-            from ma_runtime.stagein import code_dir
+            from ma_runtime.stages.stagein import code_dir
 
             return code_dir(self.spec)
         return Path.cwd()
@@ -149,8 +149,8 @@ def with_env_file(run: HookStage, start, environ: Mapping[str, str]) -> Result:
 
 def supervised(run: HookStage, argv: Sequence[str], env: Mapping[str, str], name: str, step: str) -> Result:
     """Runs like a worker, output prefixed on the console and in the task log, within the hook timeout."""
-    from ma_runtime import logs
     from ma_runtime.supervise.worker import spawn
+    from ma_runtime.util import logs
     from ma_runtime.verdict import tail
 
     sinks = [Sink(1, "<stdout>"), *([run.task_log.as_console()] if run.task_log else [])]

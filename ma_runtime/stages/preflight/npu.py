@@ -21,12 +21,12 @@ npu.tool-missing, npu.tool-timeout, npu.tool-failed; npu.not-applicable (skip).
 import re
 from typing import Any, List, Mapping
 
-from ma_runtime.npu_smi import ARGV, HEALTHY, MINOR
-from ma_runtime.npu_smi import npus as read_npus
-from ma_runtime.preflight import accelerator
-from ma_runtime.preflight.accelerator import NPU, NPU_KIND, NPU_MANAGER, Census
-from ma_runtime.preflight.model import Result, Status
 from ma_runtime.process.lifecycle import ToolError, run_tool
+from ma_runtime.stages.preflight import accelerator
+from ma_runtime.stages.preflight.accelerator import NPU, NPU_KIND, NPU_MANAGER, Census
+from ma_runtime.stages.preflight.model import Result, Status
+from ma_runtime.util.npu_smi import ARGV, HEALTHY, MINOR
+from ma_runtime.util.npu_smi import npus as read_npus
 
 _IN_USE = re.compile(r"device is used|ret is -8020", re.IGNORECASE)
 

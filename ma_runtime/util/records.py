@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypeVar, Union
 
-from ma_runtime import files
+from ma_runtime.util import files
 
 T = TypeVar("T")
 

@@ -13,15 +13,15 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from ma_runtime.preflight.model import Progress, Result, Status
+from ma_runtime.stages.preflight.model import Progress, Result, Status
 
 # Check name -> module with run(spec, environ); imported only when selected.
 MODULES = {
-    "dns": "ma_runtime.preflight.dns",
-    "disk-size": "ma_runtime.preflight.disk",
-    "ulimit": "ma_runtime.preflight.ulimit",
-    "gpu": "ma_runtime.preflight.gpu",
-    "npu": "ma_runtime.preflight.npu",
+    "dns": "ma_runtime.stages.preflight.dns",
+    "disk-size": "ma_runtime.stages.preflight.disk",
+    "ulimit": "ma_runtime.stages.preflight.ulimit",
+    "gpu": "ma_runtime.stages.preflight.gpu",
+    "npu": "ma_runtime.stages.preflight.npu",
 }
 _BACKGROUND = ("dns",)
 # Checks whose run() takes `progress`: those that may wait long enough to look hung.

@@ -3,10 +3,10 @@
 import time
 from typing import List, Mapping
 
-from ma_runtime import records
 from ma_runtime.errors import HookFailed
-from ma_runtime.hooks.env import job_python
-from ma_runtime.hooks.running import HookStage, Record, first_file, sha256, supervised
+from ma_runtime.stages.hooks.env import job_python
+from ma_runtime.stages.hooks.running import HookStage, Record, first_file, sha256, supervised
+from ma_runtime.util import records
 
 REQUIREMENT_NAMES = ("pip-requirement.txt", "requirements.txt")  # the platform's two names; the first found
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import List
 
-from ma_runtime.preflight.model import Result, Status, passed, skipped
+from ma_runtime.stages.preflight.model import Result, Status, passed, skipped
 
 ITEM = "disk-size"
 GB = 10**9

@@ -23,13 +23,13 @@ import json
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from ma_runtime.files import write_atomically
-from ma_runtime.hooks import cann, pip, pre_start
-from ma_runtime.hooks.env import Env
-from ma_runtime.hooks.running import HookStage
-from ma_runtime.output import Sink
-from ma_runtime.redact import Masker
 from ma_runtime.spec import JobSpec
+from ma_runtime.stages.hooks import cann, pip, pre_start
+from ma_runtime.stages.hooks.env import Env
+from ma_runtime.stages.hooks.running import HookStage
+from ma_runtime.util.files import write_atomically
+from ma_runtime.util.output import Sink
+from ma_runtime.util.redact import Masker
 
 
 def run_hooks(spec: JobSpec, environ: Mapping[str, str], command: Sequence[str], task_log: Optional[Sink], log,

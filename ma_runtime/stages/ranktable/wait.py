@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ma_runtime import files
-from ma_runtime.ranktable.convert import parse_json
-from ma_runtime.ranktable.model import COMPLETED, FILE_NAME, NotYet, RankTableError, RankTableTimeout
+from ma_runtime.stages.ranktable.convert import parse_json
+from ma_runtime.stages.ranktable.model import COMPLETED, FILE_NAME, NotYet, RankTableError, RankTableTimeout
+from ma_runtime.util import files
 
 POLL_SECONDS = 0.5
 PROGRESS_SECONDS = 10.0

@@ -8,8 +8,8 @@ import socket
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from ma_runtime import files
-from ma_runtime.ranktable.model import Device, Group, Instance, Ranked, RankTableError, TemplateTwo
+from ma_runtime.stages.ranktable.model import Device, Group, Instance, Ranked, RankTableError, TemplateTwo
+from ma_runtime.util import files
 
 # Ids and counts have a few digits; 32 characters take any 64-bit integer and any float's repr.
 MAX_NUMBER_CHARS = 32

@@ -15,7 +15,7 @@ import os
 import resource
 from typing import List, NamedTuple, Optional
 
-from ma_runtime.preflight.model import Result, Status, passed, skipped
+from ma_runtime.stages.preflight.model import Result, Status, passed, skipped
 
 ITEM = "ulimit"
 INFINIBAND = "/sys/class/infiniband"

@@ -87,7 +87,7 @@ class Sink:
 
     @classmethod
     def open_append(cls, path: str) -> "Sink":
-        from ma_runtime.files import open_append
+        from ma_runtime.util.files import open_append
 
         return cls(open_append(path), path, owns_fd=True)
 

@@ -4,7 +4,7 @@ ranks and logical ids."""
 from typing import Mapping, Tuple
 
 from ma_runtime import spec
-from ma_runtime.ranktable.model import Instance, LocalDevice, NodeView, Ranked, RankTableError
+from ma_runtime.stages.ranktable.model import Instance, LocalDevice, NodeView, Ranked, RankTableError
 
 # What identifies this pod, read here rather than from the JobSpec: it names the pod, it does not configure the
 # job (a job file every node shares cannot say which pod it is, and no flag sets it). The task index and the card

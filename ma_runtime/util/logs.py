@@ -39,9 +39,9 @@ if "asyncio" not in sys.modules:
 
 import structlog  # noqa: E402 - after the stand-in, on purpose
 
-from ma_runtime import output  # noqa: E402
-from ma_runtime.output import Sink  # noqa: E402
-from ma_runtime.redact import Masker  # noqa: E402
+from ma_runtime.util import output  # noqa: E402
+from ma_runtime.util.output import Sink  # noqa: E402
+from ma_runtime.util.redact import Masker  # noqa: E402
 
 COMPONENT = "ma-runtime"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}

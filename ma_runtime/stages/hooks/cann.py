@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ma_runtime.errors import ConfigError, HookFailed
-from ma_runtime.hooks.env import Env
-from ma_runtime.hooks.running import HookStage, source
+from ma_runtime.stages.hooks.env import Env
+from ma_runtime.stages.hooks.running import HookStage, source
 
 # CANN's installers put set_env.sh here (root installs, then a user's): the first that exists is sourced.
 CANN_SET_ENV_PATHS = ("/usr/local/Ascend/ascend-toolkit/set_env.sh", "/usr/local/Ascend/cann/set_env.sh",

@@ -34,14 +34,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from ma_runtime import records
 from ma_runtime.errors import ConfigError
-from ma_runtime.files import write_atomically
 from ma_runtime.spec import JobSpec
 from ma_runtime.spec.jobfile import Channel
 from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import ObjectInfo, StorageError
 from ma_runtime.sync import units as units_module
+from ma_runtime.util import records
+from ma_runtime.util.files import write_atomically
 
 # (total bytes, files, single file bytes) the platform's console allows (docs/platform.md, "Stage-in").
 LIMITS = {

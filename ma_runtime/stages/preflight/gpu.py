@@ -16,10 +16,10 @@ gpu.not-applicable (skip). See accelerator.py for which check applies.
 import re
 from typing import Any, List, Mapping, NamedTuple, Optional
 
-from ma_runtime.preflight import accelerator
-from ma_runtime.preflight.accelerator import GPU, GPU_KIND, Census
-from ma_runtime.preflight.model import Result
 from ma_runtime.process.lifecycle import ToolError, run_tool
+from ma_runtime.stages.preflight import accelerator
+from ma_runtime.stages.preflight.accelerator import GPU, GPU_KIND, Census
+from ma_runtime.stages.preflight.model import Result
 
 QUERY = (
     "index", "pci.bus_id", "name", "uuid", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending",

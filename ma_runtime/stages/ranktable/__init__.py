@@ -42,13 +42,13 @@ from pathlib import Path
 from typing import Dict, Mapping, Optional
 
 from ma_runtime.errors import RuntimeFailure
+from ma_runtime.spec.table import SETTINGS_BY_NAME
 
 # The submodule, not its function: `ranktable.wait` stays the module (model / convert / wait / node).
-from ma_runtime.ranktable import wait as table_wait
-from ma_runtime.ranktable.convert import read_any, write_atomically
-from ma_runtime.ranktable.model import COMPLETED, FILE_NAME, NodeView, Ranked, RankTableError
-from ma_runtime.ranktable.node import node_view
-from ma_runtime.spec.table import SETTINGS_BY_NAME
+from ma_runtime.stages.ranktable import wait as table_wait
+from ma_runtime.stages.ranktable.convert import read_any, write_atomically
+from ma_runtime.stages.ranktable.model import COMPLETED, FILE_NAME, NodeView, Ranked, RankTableError
+from ma_runtime.stages.ranktable.node import node_view
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
 
-from ma_runtime.preflight.model import Result, Status, passed, skipped
 from ma_runtime.process.lifecycle import ToolError
+from ma_runtime.stages.preflight.model import Result, Status, passed, skipped
 
 GPU = "gpu"
 NPU = "npu"

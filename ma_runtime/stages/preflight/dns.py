@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from ma_runtime.preflight.model import Progress, Result, Status, passed, skipped
 from ma_runtime.spec import JobSpec
+from ma_runtime.stages.preflight.model import Progress, Result, Status, passed, skipped
 
 ITEM = "dns"
 WORKERS_MAX = 64

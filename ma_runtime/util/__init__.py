@@ -1,0 +1,1 @@
+"""Utilities below every stage: files, output and logs, masking, records, the tool readers."""
