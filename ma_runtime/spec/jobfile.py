@@ -136,9 +136,8 @@ def _suggestion(key: str, known) -> str:
 
     names = sorted(dotted(k) for k in known)
     close = difflib.get_close_matches(dotted(key), names, n=1, cutoff=0.6)
-    if close:
-        return f"did you mean '{close[0]}'? (the README's Settings table lists every key)"
-    return "the README's Settings table lists every key"
+    every = "docs/reference/settings.md lists every key"
+    return f"did you mean '{close[0]}'? ({every})" if close else every
 
 
 def _flatten_sections(path: Path, data: Dict[str, Any]) -> Dict[str, Any]:

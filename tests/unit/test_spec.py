@@ -86,6 +86,8 @@ def test_hyperparameters_keep_order_and_render_booleans(tmp_path):
         ({}, "num_gpu: 1\n", "unknown key 'num_gpu'"),
         ({}, "num_gpu: 1\n", "did you mean 'num_gpus'?"),
         ({}, "preflight: {shm_min_g: 1}\n", "did you mean 'preflight.shm_min_gb'?"),
+        ({}, "num_gpu: 1\n", "(docs/reference/settings.md lists every key)"),
+        ({}, "zzzz: 1\n", "hint=\"docs/reference/settings.md lists every key\""),
         ({}, "- a\n- b\n", "the top level must be a mapping"),
         ({}, "num_gpus: abc\n", "job file key 'num_gpus'='abc' is not a whole number"),
         ({}, "num_gpus: {a: 1}\n", "job file key 'num_gpus': expected a single number or string"),
