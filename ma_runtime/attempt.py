@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Sequence
 
 from ma_runtime.errors import ExitCode
-from ma_runtime.supervise.guard import LINEAGE_ENV
+from ma_runtime.process.worker import LINEAGE_ENV
 from ma_runtime.supervise.supervisor import State
 from ma_runtime.util import files, records
 

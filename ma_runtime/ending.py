@@ -13,8 +13,8 @@ from ma_runtime import verdict as verdict_module
 from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
+from ma_runtime.process.worker import SIGNAL_NAMES
 from ma_runtime.supervise.supervisor import Outcome
-from ma_runtime.supervise.worker import SIGNAL_NAMES
 from ma_runtime.util import logs
 
 # The files a final sync missed, one log line each, up to this many (the termination message lists them too).

@@ -14,10 +14,10 @@ from ma_runtime.errors import Category, ConfigError, RuntimeFailure
 from ma_runtime.process import children
 from ma_runtime.process.lifecycle import sweep
 from ma_runtime.process.table import descendants, processes
+from ma_runtime.process.worker import SIGNAL_NAMES
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import become_subreaper, is_pid1
 from ma_runtime.supervise.signals import STOPPING, SignalQueue
-from ma_runtime.supervise.worker import SIGNAL_NAMES
 from ma_runtime.util import logs
 from ma_runtime.util.output import Sink
 from ma_runtime.util.redact import Masker

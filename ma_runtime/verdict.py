@@ -16,15 +16,13 @@ The job's verdict is the last attempt's, unless the runtime gave up restarting (
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from ma_runtime.errors import Category, ExitCode
 from ma_runtime.process import lifecycle
+from ma_runtime.process.worker import SIGNAL_NAMES, tail
 from ma_runtime.supervise.supervisor import Outcome, State
-from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker
-from ma_runtime.util.output import tail_of
 
-TAIL_LINES = 20
 # How much of the deciding worker's output a launcher's root-cause parser reads.
 ROOT_CAUSE_LINES = 60
 RootCauseOf = Callable[[Sequence[str]], Any]  # lines -> a RootCause (rank, returncode) or None
@@ -136,7 +134,3 @@ def _explain(outcome: Outcome, death: Optional[str], exit_code: int, killed: boo
     if death:
         return f"the command died of {death}", Category.USER.value, "see the last lines of its output"
     return f"the command exited with code {exit_code}", Category.USER.value, "see the last lines of its output"
-
-
-def tail(worker: Worker, lines: int = TAIL_LINES) -> List[str]:
-    return tail_of(worker.pumps, lines, prefer=worker.stderr_pump)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import termination
+from ma_runtime.process.worker import LINEAGE_ENV
 from ma_runtime.spec.jobfile import CONFIG_ENV
 from ma_runtime.spec.table import VARIABLES
 from ma_runtime.stages.ranktable.node import POD_IP_VARIABLE, POD_NAME_VARIABLES
-from ma_runtime.supervise.guard import LINEAGE_ENV
 
 pytest_plugins = ["tests.storage_env", "tests.suite_plugin"]  # suite_plugin: timing, skips, strict
 

@@ -227,8 +227,7 @@ class Launcher(abc.ABC):
     def forwards_to(self, launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
         """The pids the launcher process will itself signal when it receives SIGTERM or SIGINT, so that the
         supervisor signals each process once; `table` is {pid: process} with `.ppid`, `.pgid`, `.state`, `.start`
-        (supervise.worker.Proc; launch does not import supervise). By default none: the supervisor's own signal is
-        the stop."""
+        (process.table.Proc). By default none: the supervisor's own signal is the stop."""
         return set()
 
     def root_cause(self, lines: Sequence[str]) -> Optional[RootCause]:

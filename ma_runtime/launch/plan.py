@@ -28,26 +28,22 @@ module for the plan, and adds the warnings. The names other modules import from
 here (Plan, Context, the method names, ...) are re-exported from base.py.
 
 `warnings` holds what will go wrong although a plan can be made: the preflight
-failure that is certain from the device nodes and PATH (preflight/accelerator.py
+failure that is certain from the device nodes and PATH (util/accelerators.py
 decides, no tool runs), when the run's preflight would stop on it.
 """
 
 import dataclasses
-import os
-import re
 import shlex
-from pathlib import Path
 from typing import Any, Mapping, Optional, Tuple
 
 from ma_runtime.launch import registry
 from ma_runtime.launch.base import Context, Plan, Size, WorkerPlan, common_env, master_host, worker_hosts
-from ma_runtime.stages.preflight import accelerator
+from ma_runtime.util import accelerators
 
 __all__ = ["RTF", "TORCHRUN", "MSRUN", "PLAIN", "METHODS", "Context", "Plan", "Size", "WorkerPlan", "common_env",
            "master_host", "worker_hosts", "choose", "build", "render"]
 RTF, TORCHRUN, MSRUN, PLAIN = "rtf", "torchrun", "msrun", "plain"
 METHODS = registry.METHODS
-_NPU_NODE = re.compile(r"davinci\d+\Z")
 
 
 # --------------------------------------------------------------------------- choosing
@@ -59,16 +55,9 @@ def choose(spec) -> Tuple[str, str]:
         return spec.run_method, f"MA_RUN_METHOD={spec.run_method}"
     if spec.ranktable_file is not None:
         return RTF, "an NPU job (RANK_TABLE_FILE is set) and MA_RUN_METHOD is unset"
-    if _npu_nodes(spec.preflight_dev_dir):
+    if accelerators.count_nodes(accelerators.NPU_KIND, accelerators.node_names(spec.preflight_dev_dir)):
         return RTF, f"an NPU job (davinci<N> device nodes in {spec.preflight_dev_dir}) and MA_RUN_METHOD is unset"
     return PLAIN, "not an NPU job and MA_RUN_METHOD is unset: the command runs once"
-
-
-def _npu_nodes(dev_dir: Path) -> bool:
-    try:
-        return any(_NPU_NODE.match(name) for name in os.listdir(dev_dir))
-    except OSError:
-        return False
 
 
 def build(spec, context: Context) -> Plan:
@@ -85,7 +74,7 @@ def _preflight_rejection(spec, context: Context, plan: Plan) -> Optional[str]:
     """The accelerator check's certain failure, when the run's preflight would stop on it before this plan starts."""
     if not spec.preflight_enabled:
         return None
-    failure = accelerator.foreseen(spec, context.environ, context.which)
+    failure = accelerators.foreseen(spec, context.environ, context.which)
     if failure is None or failure.item not in spec.preflight_checks or failure.item in spec.preflight_warn_only:
         return None
     advice = _without_accelerators(spec, plan, failure.code)

@@ -487,8 +487,7 @@ def _spawn(argv: Sequence[str], environ: Mapping[str, str], home: Path, sinks: S
     """sshd or the key server as the job's service, in the environment of nothing but PATH, PYTHONPATH (the
     key server's import) and the run's lineage (the guard's mark): sshd's sessions start from their own anyway,
     and neither needs the job's variables. Their lines are prefixed `[sshd] `."""
-    from ma_runtime.supervise.guard import LINEAGE_ENV
-    from ma_runtime.supervise.worker import spawn
+    from ma_runtime.process.worker import LINEAGE_ENV, spawn
 
     env = {key: environ[key] for key in ("PATH", "PYTHONPATH", LINEAGE_ENV) if key in environ}
     worker = children.start_service(lambda: spawn(argv, env, str(home), list(sinks), list(sinks), name=name,

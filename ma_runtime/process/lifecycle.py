@@ -4,7 +4,7 @@ timeout), the uploader and the progress matcher (their close), the peers watcher
 supervisor (its signals, its sweeps, its exit codes) and every accelerator tool (`run_tool`).
 
 Starting is children.py's (which child is whose, so that the reaping loop leaves a status to its owner) and
-supervise/worker.spawn's (a command with its output pumped to sinks); what the table of processes holds is
+worker.py's spawn (a command with its output pumped to sinks); what the table of processes holds is
 process/table.py's.
 
 A status here is Popen's: the exit status, or -N for death by signal N. `exit_code` turns it into what a shell

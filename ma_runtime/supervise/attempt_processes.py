@@ -16,11 +16,11 @@ from ma_runtime.errors import ConfigError
 from ma_runtime.launch import plan as plan_module
 from ma_runtime.launch import registry
 from ma_runtime.launch.base import common_env
+from ma_runtime.process.worker import LINEAGE_ENV, Worker, spawn
 from ma_runtime.spec.table import EXPORTED
 from ma_runtime.supervise import guard as guard_module
 from ma_runtime.supervise.pid1 import is_pid1
 from ma_runtime.supervise.supervisor import Outcome, Supervisor
-from ma_runtime.supervise.worker import Worker, spawn
 from ma_runtime.util import logs
 from ma_runtime.util.output import Sink
 
@@ -187,5 +187,5 @@ def worker_env(spec: spec_module.JobSpec, run_id: str, attempt: int, environ: Ma
         if value is not None:
             env[setting.env] = str(value)
     env.update(common_env(spec, attempt))
-    env[guard_module.LINEAGE_ENV] = guard_module.lineage(os.environ, run_id)
+    env[LINEAGE_ENV] = guard_module.lineage(os.environ, run_id)
     return env

@@ -6,7 +6,7 @@ it for good. Relaunching onto such a device fails again, with an out-of-memory e
 that blames the job, so the runtime checks first, and a device that stays held ends the
 job with exit 84 (the node needs attention) instead of relaunching onto it.
 
-Which tool asks is the preflight's decision (`accelerator.choose`): NPU asks
+Which tool asks is the preflight's decision (`util/accelerators.choose`): NPU asks
 `npu-smi info` and reads its process table; GPU asks
 `nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_bus_id`. Both list only
 the devices mounted into this container. A CPU job, MA_RUNTIME_PREFLIGHT_ACCELERATOR=none,
@@ -40,9 +40,8 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 from ma_runtime.errors import DeviceNotReleased
 from ma_runtime.process.lifecycle import ToolError, run_tool
-from ma_runtime.stages.preflight import accelerator
-from ma_runtime.stages.preflight.accelerator import GPU, first_line
-from ma_runtime.util import npu_smi
+from ma_runtime.util import accelerators, npu_smi
+from ma_runtime.util.accelerators import GPU, first_line
 from ma_runtime.util.npu_smi import BUS_ID, NO_READING, Unparsable, memory_mb, reading
 
 # npu-smi takes a good part of a second per call and walks every card's driver; asking more often
@@ -156,7 +155,7 @@ def tool_for(spec: Any, environ: Mapping[str, str]) -> Optional[str]:
 
 
 def _tool(spec: Any, environ: Mapping[str, str]) -> Optional[Tool]:
-    choice = accelerator.choose(spec, environ)
+    choice = accelerators.choose(spec, environ)
     if choice.flavour is None or choice.missing:
         return None
     tool = GPU_TOOL if choice.flavour == GPU else NPU_TOOL

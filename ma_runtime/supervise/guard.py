@@ -7,7 +7,7 @@ would live on, re-parented to init. So, when the runtime is not PID 1 (as PID 1,
 the kernel kills the whole namespace with it), it forks this small process
 before any worker. The guard holds the read end of a pipe whose only write end is the
 runtime's: EOF without the stand-down message means the runtime died, and the
-guard kills the run's processes (the kill sweep of worker.py: stop them all,
+guard kills the run's processes (the kill sweep of process/lifecycle.py: stop them all,
 then SIGKILL, until none is left).
 
 Once the runtime is dead its orphans belong to init, so the guard tells the
@@ -41,11 +41,9 @@ from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 from ma_runtime.process.lifecycle import sweep
 from ma_runtime.process.table import Proc, environ, family, holds_pipe, processes
+from ma_runtime.process.worker import LINEAGE_ENV
 from ma_runtime.supervise.pid1 import set_command_line, set_process_name
 
-# Comma-separated run ids of every ma-runtime above a process: a nested ma-run
-# adds its own, so the outer guard still finds the inner run's workers.
-LINEAGE_ENV = "MA_RUNTIME_LINEAGE"
 NAME = "ma-guard"
 _STAND_DOWN = b"done"
 # Long enough for processes leaving uninterruptible sleep; the guard has nobody to report to after.

@@ -50,6 +50,7 @@ from typing import Any, Callable, Collection, Deque, Dict, List, Mapping, NamedT
 
 from ma_runtime.process.table import cpu_demand
 from ma_runtime.supervise.progress import ProgressSink
+from ma_runtime.util import accelerators
 
 PERIODS_PER_WINDOW = 5
 PERIOD_CAP = 60.0
@@ -95,14 +96,12 @@ class Config:
 
 def configure(spec: Any, environ: Mapping[str, str], log) -> Optional[Config]:
     """The run's hang detection, or None when it is off; says which in one line."""
-    from ma_runtime.stages.preflight import accelerator  # the preflight's, loaded already
-
     window = spec.hang_window_seconds
     if spec.hang_detect == "off":
         log.info("hang detection off", reason="MA_RUNTIME_HANG_DETECT=off")
         return None
     # A CPU job (the common case on a laptop) is decided without loading the device tools' readers.
-    cpu_job = accelerator.choose(spec, environ).flavour is None
+    cpu_job = accelerators.choose(spec, environ).flavour is None
     tool = None
     if not cpu_job:
         from ma_runtime.supervise import devices

@@ -30,10 +30,10 @@ from ma_runtime.errors import ExitCode
 from ma_runtime.process import children, lifecycle
 from ma_runtime.process.lifecycle import kill_all, sweep
 from ma_runtime.process.table import Proc, descendants, processes
+from ma_runtime.process.worker import SIGNAL_NAMES, Worker
 from ma_runtime.supervise import ranks
 from ma_runtime.supervise.pid1 import reap
 from ma_runtime.supervise.signals import STOPPING, SignalQueue
-from ma_runtime.supervise.worker import SIGNAL_NAMES, Worker
 
 # Upper bound on one loop turn, in case a wake-up is ever lost.
 _TICK = 1.0

@@ -23,7 +23,7 @@ from ma_runtime.util.output import Sink
 from ma_runtime.supervise.pid1 import become_subreaper
 from ma_runtime.supervise.signals import SignalQueue
 from ma_runtime.supervise.supervisor import Supervisor
-from ma_runtime.supervise.worker import spawn
+from ma_runtime.process.worker import spawn
 
 spec = json.loads(sys.argv[1])
 workdir = spec["dir"]

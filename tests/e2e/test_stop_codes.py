@@ -72,7 +72,7 @@ DRIVER = textwrap.dedent(r"""
     from ma_runtime.util.output import Sink
     from ma_runtime.supervise.signals import SignalQueue
     from ma_runtime.supervise.supervisor import Supervisor
-    from ma_runtime.supervise.worker import spawn
+    from ma_runtime.process.worker import spawn
 
     class ExitsAsTheGraceEnds(Supervisor):
         told = False

@@ -13,7 +13,7 @@ from ma_runtime import spec as spec_module
 from ma_runtime.errors import CommandNotExecutable, exceeds_exec_limits, exec_total_limit, too_large_for_exec
 from ma_runtime.launch import sshd
 from ma_runtime.process.lifecycle import ToolError, run_tool
-from ma_runtime.supervise.worker import spawn
+from ma_runtime.process.worker import spawn
 from ma_runtime.sync import control
 from tests.recording import Log
 

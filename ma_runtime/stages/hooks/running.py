@@ -149,9 +149,8 @@ def with_env_file(run: HookStage, start, environ: Mapping[str, str]) -> Result:
 
 def supervised(run: HookStage, argv: Sequence[str], env: Mapping[str, str], name: str, step: str) -> Result:
     """Runs like a worker, output prefixed on the console and in the task log, within the hook timeout."""
-    from ma_runtime.supervise.worker import spawn
+    from ma_runtime.process.worker import spawn, tail
     from ma_runtime.util import logs
-    from ma_runtime.verdict import tail
 
     sinks = [Sink(1, "<stdout>"), *([run.task_log.as_console()] if run.task_log else [])]
     try:

@@ -10,7 +10,7 @@ does not support ("[N/A]", "N/A", "[Not Supported]") count as healthy.
 
 Codes: ok; gpu.missing, gpu.too-few, gpu.unhealthy (fail; warn when the healthy
 GPUs still cover MA_NUM_GPUS), gpu.tool-missing, gpu.tool-timeout, gpu.tool-failed;
-gpu.not-applicable (skip). See accelerator.py for which check applies.
+gpu.not-applicable (skip). See util/accelerators.py for which check applies.
 """
 
 import re
@@ -18,8 +18,10 @@ from typing import Any, List, Mapping, NamedTuple, Optional
 
 from ma_runtime.process.lifecycle import ToolError, run_tool
 from ma_runtime.stages.preflight import accelerator
-from ma_runtime.stages.preflight.accelerator import GPU, GPU_KIND, Census
+from ma_runtime.stages.preflight.accelerator import Census
 from ma_runtime.stages.preflight.model import Result
+from ma_runtime.util import accelerators
+from ma_runtime.util.accelerators import GPU, GPU_KIND
 
 QUERY = (
     "index", "pci.bus_id", "name", "uuid", "ecc.errors.uncorrected.volatile.total", "retired_pages.pending",
@@ -39,12 +41,12 @@ class Gpu(NamedTuple):
 
 
 def run(spec: Any, environ: Mapping[str, str]) -> List[Result]:
-    choice = accelerator.choose(spec, environ)
+    choice = accelerators.choose(spec, environ)
     if choice.flavour != GPU:
         return [accelerator.not_applicable(GPU_KIND, choice)]
     if choice.missing:
         return [accelerator.missing(spec, choice)]
-    nodes = accelerator.count_nodes(GPU_KIND, accelerator.node_names(spec.preflight_dev_dir))
+    nodes = accelerators.count_nodes(GPU_KIND, accelerators.node_names(spec.preflight_dev_dir))
     try:
         returncode, out, err = run_tool(ARGV, spec.preflight_tool_timeout_seconds, env=dict(environ))
     except ToolError as error:

@@ -23,8 +23,10 @@ from typing import Any, List, Mapping
 
 from ma_runtime.process.lifecycle import ToolError, run_tool
 from ma_runtime.stages.preflight import accelerator
-from ma_runtime.stages.preflight.accelerator import NPU, NPU_KIND, NPU_MANAGER, Census
+from ma_runtime.stages.preflight.accelerator import Census
 from ma_runtime.stages.preflight.model import Result, Status
+from ma_runtime.util import accelerators
+from ma_runtime.util.accelerators import NPU, NPU_KIND, NPU_MANAGER
 from ma_runtime.util.npu_smi import ARGV, HEALTHY, MINOR
 from ma_runtime.util.npu_smi import npus as read_npus
 
@@ -32,11 +34,11 @@ _IN_USE = re.compile(r"device is used|ret is -8020", re.IGNORECASE)
 
 
 def run(spec: Any, environ: Mapping[str, str]) -> List[Result]:
-    choice = accelerator.choose(spec, environ)
+    choice = accelerators.choose(spec, environ)
     if choice.flavour != NPU:
         return [accelerator.not_applicable(NPU_KIND, choice)]
-    names = accelerator.node_names(spec.preflight_dev_dir)
-    nodes = accelerator.count_nodes(NPU_KIND, names)
+    names = accelerators.node_names(spec.preflight_dev_dir)
+    nodes = accelerators.count_nodes(NPU_KIND, names)
     if nodes and NPU_MANAGER not in names:
         return [accelerator.manager_missing(spec, nodes)]
     try:
@@ -69,5 +71,5 @@ def in_use(spec: Any, line: str) -> Result:
         f"npu-smi: {line}: the NPUs are held by another container (or process); free them or reschedule the job"
         " on another node"
     )
-    return Result(NPU, Status.FAIL, "npu.in-use", None, accelerator.required(spec), hint=hint, unit="count",
+    return Result(NPU, Status.FAIL, "npu.in-use", None, accelerators.required(spec), hint=hint, unit="count",
                   detail={"output": line})

@@ -1,14 +1,24 @@
-"""A worker: one command started in its own session, its output pumped to sinks."""
+"""A worker: one command started in its own session, its output pumped to sinks.
+
+The process layer's starter for every command the runtime runs with its output followed: the attempt's workers
+(supervise/), the hooks' steps (stages/hooks) and mpirun's sshd (launch/sshd).
+"""
 
 import errno
 import os
 import signal
 import subprocess
-from typing import List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 from ma_runtime.errors import TOO_LARGE_HINT, CommandNotExecutable, CommandNotFound, too_large_for_exec
 from ma_runtime.process import lifecycle
-from ma_runtime.util.output import LinePump, Sink, SinkSpec
+from ma_runtime.util.output import LinePump, Sink, SinkSpec, tail_of
+
+# Comma-separated run ids of every ma-runtime above a process: a nested ma-run adds its own, so the outer guard
+# (supervise/guard.py) still finds the inner run's workers. Here, below every starter, which passes it on.
+LINEAGE_ENV = "MA_RUNTIME_LINEAGE"
+# The lines of a worker's output that a verdict or a failed hook quotes.
+TAIL_LINES = 20
 
 
 class Worker:
@@ -90,6 +100,11 @@ def spawn(
     for pump in pumps:
         pump.start()
     return Worker(popen, pumps, name, pipe_inodes)
+
+
+def tail(worker: Any, lines: int = TAIL_LINES) -> List[str]:
+    """The last lines of a worker's output (a Worker, or anything with its pumps and stderr_pump): stderr first."""
+    return tail_of(worker.pumps, lines, prefer=worker.stderr_pump)
 
 
 def _with_prefix(sinks: Sequence[Sink], prefix: Optional[bytes]) -> List[SinkSpec]:
