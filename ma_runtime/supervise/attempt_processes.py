@@ -33,8 +33,8 @@ class _HangWatch:
         from ma_runtime.supervise import devices, hang
         from ma_runtime.supervise.stacks import dumps, registry
 
-        self.stacks = registry
-        self.registry: Optional[Path] = None
+        self.stack_registration = registry  # the module: the workers' registration, and its clean-up
+        self.registry: Optional[Path] = None  # this attempt's registration folder, when stacks are taken
         if config.stacks:
             try:
                 self.registry = registry.registry_dir(spec.state_dir, attempt.run_id, attempt.number)
@@ -48,13 +48,13 @@ class _HangWatch:
         self.sinks = [sink] if sink is not None else []
 
     def env(self, base: Mapping[str, str]) -> Dict[str, str]:
-        return self.stacks.worker_env(self.registry, base) if self.registry is not None else {}
+        return self.stack_registration.worker_env(self.registry, base) if self.registry is not None else {}
 
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()  # the progress pattern's matcher process ends with its attempt
         if self.registry is not None:
-            self.stacks.clean(self.registry)
+            self.stack_registration.clean(self.registry)
 
 
 def run_attempt(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context, environ: Mapping[str, str],
