@@ -104,7 +104,8 @@ def plan_attempt(spec: spec_module.JobSpec, command: Sequence[str], prepared: Pr
     def reach(endpoints):  # mpirun's worker-0 waits for every node's sshd (launch/peers.py)
         return peers.reach_all(endpoints, spec.peer_wait_seconds, log, stopped)
 
-    # What the stages set or changed for the workers: the hooks' exports, stage-in's variables.
+    # What the stages set or changed for the workers: the hooks' exports, stage-in's variables (the runtime's own
+    # environment is the baseline they changed, not a setting read).
     exported = {*prepared.staged.env, *(name for name, value in prepared.environ.items()
                                         if os.environ.get(name) != value)}
     plan = plan_module.build(spec, plan_module.Context(argv, prepared.environ, prepared.rank_table, resolve,

@@ -14,6 +14,8 @@ class TransferOptions:
     large_threshold: int = 64 << 20
     retry_seconds: float = 120.0
     progress_seconds: float = 10.0
+    # Only the default of a caller that names none (the stages name the state folder): TMPDIR is the system's
+    # temporary folder, read as tempfile does, not a job setting.
     state_dir: Path = Path(os.environ.get("TMPDIR") or "/tmp") / "ma-runtime-transfers"
 
     @classmethod

@@ -21,6 +21,8 @@ _kept = []  # the open file, for the life of the process (faulthandler holds it 
 
 
 def _register():
+    # Read raw: this runs in the job's own Python (a worker), where the runtime's settings are not loaded; the
+    # runtime put these two in the worker's environment for it (supervise/stacks/registry.py).
     folder = os.environ.get("MA_RUNTIME_STACKS_DIR")
     number = os.environ.get("MA_RUNTIME_STACKS_SIGNAL")
     if not folder or not number:
