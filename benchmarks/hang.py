@@ -16,7 +16,7 @@ cost        One row group per --ranks count (default 8 and 64), each its own rou
             one `ranks.Finder()` kept across periods, `find({"torchrun": agent}, children.services(),
             processes(), NotTheCommand(..., services=True))` (a /proc/*/stat scan of the machine, the walk, each
             new process's cmdline and environment read once); each period is `Monitor._run`'s:
-            `_Tree.sample(monitor._not_busy())` (psutil IO and CPU times per rank process, and, for the ranks
+            `JobTree.sample(monitor._not_busy())` (psutil IO and CPU times per rank process, and, for the ranks
             not busy the period before, every thread's /proc/<pid>/task/*/schedstat), then `Monitor.tick(...,
             tree.labels)`, which calls `devices.utilisation`, which runs the fake. The ranks are blocked, so the
             demand path is taken for every rank every period (checked each period: the worst case; a busy rank
@@ -26,10 +26,10 @@ cost        One row group per --ranks count (default 8 and 64), each its own rou
             alternates 40/80 % (written untimed before each tick), so `flat()` runs over every device's samples
             of the window each period and finds them changing: the most a period costs short of declaring a
             hang. Rows, CPU per period:
-              detector                  `_Tree.sample` + `Monitor.tick` in this process (time.process_time),
+              detector                  `JobTree.sample` + `Monitor.tick` in this process (time.process_time),
                                         the utilisation call's own CPU taken out; split into finding (the
                                         members call: Finder.find over processes()), reading (the rest of
-                                        `_Tree.sample`: psutil, schedstat) and judging (`Monitor.tick`);
+                                        `JobTree.sample`: psutil, schedstat) and judging (`Monitor.tick`);
               utilisation, our side     `devices.utilisation` in this process: spawn, wait, parse;
               the fake nvidia-smi       the tool's CPU (rusage of the reaped children). The fake is a
                                         Python script (an interpreter's start-up, mostly): the real tool's
@@ -106,7 +106,7 @@ RUN_TIMEOUT_S = 120
 START_TIMEOUT_S = 120  # 64 interpreters starting on 2 loaded cores
 # The caller's job settings and credentials must not reach the runs (restart.py does the same).
 FOREIGN_PREFIXES = ("MA_", "PET_", "TORCHELASTIC_", "VC_", "RANK_TABLE", "OBS_", "S3_", "AWS_", "FAKE_")
-DETECTOR, OUR_SIDE, FAKE_TOOL = "detector: _Tree.sample + Monitor.tick", "utilisation call, our side", \
+DETECTOR, OUR_SIDE, FAKE_TOOL = "detector: JobTree.sample + Monitor.tick", "utilisation call, our side", \
     "the fake nvidia-smi (a Python script)"
 FINDING, READING, JUDGING = "  finding: Finder.find over processes()", "  reading: psutil IO+CPU, schedstat", \
     "  judging: Monitor.tick, tool out"
@@ -278,7 +278,7 @@ class Periods:
         from ma_runtime import spec as spec_module
         from ma_runtime.process import children
         from ma_runtime.process.table import processes
-        from ma_runtime.supervise import devices, hang, ranks
+        from ma_runtime.supervise import devices, hang, hang_measures, ranks
 
         self.util_file = scratch / "util"
         self.util_file.write_text("0")
@@ -303,7 +303,7 @@ class Periods:
             return finder.find({AGENT_WORKER: job.agent.pid}, children.services(), processes(), exclude)
 
         self.members = members
-        self.tree = hang._Tree(self._timed_members)
+        self.tree = hang_measures.JobTree(self._timed_members)
         self.utilisation = lambda: devices.utilisation(spec, self.environ)
         self.monitor = hang.Monitor(self.config, self._timed_utilisation, self.log, clock=lambda: self.now)
         self.before = self.tree.sample(None)  # Monitor._run's first look

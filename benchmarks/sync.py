@@ -527,7 +527,7 @@ class FinalSync:
 
     def __init__(self, args, scratch: Path, server: storage.Server):
         from ma_runtime.storage.transfer.upload import _upload_part_size
-        from ma_runtime.sync.engine import SMALL_LIMIT
+        from ma_runtime.sync.reading import SMALL_LIMIT
 
         self.args, self.scratch, self.server = args, scratch, server
         self.source = scratch / "final-source"

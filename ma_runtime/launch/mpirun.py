@@ -153,15 +153,15 @@ def node_names(spec, environ: Mapping[str, str]) -> List[str]:
 
 
 def _mpirun_plan(spec, context: Context, why: str, count: int, hosts: Sequence[str]) -> Plan:
-    from ma_runtime.launch import sshd
+    from ma_runtime.launch import sshd_files
 
     launcher = find_launcher(context, "mpirun", "Open MPI (Debian/Ubuntu: apt-get install openmpi-bin)")
-    hostfile = sshd.folder(spec) / HOSTFILE
+    hostfile = sshd_files.folder(spec) / HOSTFILE
     argv = [launcher, "-np", str(len(hosts) * count), "-hostfile", str(hostfile)]
     if len(hosts) > 1:  # one node: mpirun starts every rank itself, no ssh
         # Open MPI splits this at every space and quotes it again for orted's remote shell: client_config is a
-        # plain path whatever MA_HOME holds (sshd.named_folder).
-        argv += ["-mca", "plm_rsh_args", f"-p {spec.sshd_port} -F {sshd.client_config(spec)}"]
+        # plain path whatever MA_HOME holds (sshd_files.named_folder).
+        argv += ["-mca", "plm_rsh_args", f"-p {spec.sshd_port} -F {sshd_files.client_config(spec)}"]
     argv += ["-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
     if len(hosts) > 1:
         argv += ["-mca", "plm_rsh_no_tree_spawn", "true"]

@@ -36,7 +36,8 @@ is found within the window plus one period.
 
 The thread only reads /proc and runs the accelerator tool (through `run_tool`, owned: the reaping loop
 leaves it alone, and the tree walk leaves it out); finding a hang, it wakes the supervision loop, which
-takes the stacks of the ranks (`show_where`) and stops the attempt as in a failure.
+takes the stacks of the ranks (`show_where`) and stops the attempt as in a failure. What one period measures
+(the ranks' IO and CPU, the devices' flatness) is hang_measures.py; this module holds the rule over time.
 """
 
 import collections
@@ -46,9 +47,9 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Collection, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ma_runtime.process.table import cpu_demand
+from ma_runtime.supervise.hang_measures import IDLE_PERCENT, Interval, JobTree, Sample, activity, flat, flat_words
 from ma_runtime.supervise.progress import ProgressSink
 from ma_runtime.util import accelerators
 
@@ -63,16 +64,8 @@ MIN_WAIT = 0.2
 # that computes 70 ms and sleeps 30 ms, 0.7).
 BUSY_CORES = 1.0
 BUSY_CORES_CPU_ONLY = 0.1
-# Accelerator utilisation that spreads by no more than this (standard deviation, percentage points) over the
-# window is flat; a device above IDLE_PERCENT is busy (its first busy sample is the attempt's first progress).
-FLAT_STDDEV = 2.0
-IDLE_PERCENT = 10.0
-# Fewer samples than this over the window say nothing about flatness (the first period of a short window).
-MIN_SAMPLES = 3
 # Ranks named in the evidence: the termination message's reason is one line.
 NAMED = 8
-
-_Counters = Tuple[int, int, int, int]  # read and write syscalls, read and write characters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,97 +152,6 @@ class Hang:
         return f"job suspected hung: {self.evidence}" + (f"; {where}" if where else "")
 
 
-class Reading(NamedTuple):
-    """One process at one look."""
-
-    counters: _Counters
-    cpu: float  # CPU seconds used, every thread
-    unit: int  # the pid of its rank (supervise/ranks.py)
-    demand: Optional[float] = None  # seconds run plus waited to run, every thread (schedstat), where it was read
-
-
-Sample = Dict[Tuple[int, float], Reading]  # {(pid, start time): reading}
-
-
-class Interval(NamedTuple):
-    """What the job did between two looks."""
-
-    io: bool  # a rank's process read or wrote, came or went
-    cores: Dict[int, float]  # {rank: the cores it used or demanded, whichever is more}
-
-
-class _Tree:
-    """The job's processes at each look: their counters, by rank."""
-
-    def __init__(self, members: Callable[[], Mapping[int, Any]]):
-        import psutil  # only a job with hang detection on pays its import
-
-        self._psutil = psutil
-        self.members = members  # () -> {pid: its rank's ranks.Unit}
-        self._known: Dict[int, Any] = {}  # pid -> psutil.Process: its start time tells a reused pid apart
-        self.labels: Dict[int, str] = {}  # rank pid -> "rank 3"
-
-    def sample(self, demand_of: Optional[Collection[int]] = None) -> Sample:
-        """A look; the demand of the processes of the ranks in `demand_of` too (None: every rank's)."""
-        sample: Sample = {}
-        known: Dict[int, Any] = {}
-        labels: Dict[int, str] = {}
-        for pid, unit in self.members().items():
-            try:
-                proc = self._process(pid)
-                io, cpu = proc.io_counters(), proc.cpu_times()
-            except self._psutil.Error:
-                continue  # gone (or a zombie) since the walk: the next sample sees the tree without it
-            known[pid] = proc
-            labels[unit.root] = unit.label
-            demand = cpu_demand(pid) if demand_of is None or unit.root in demand_of else None
-            sample[pid, proc.create_time()] = Reading((io.read_count, io.write_count, io.read_chars, io.write_chars),
-                                                      cpu.user + cpu.system, unit.root, demand)
-        self._known, self.labels = known, labels
-        return sample
-
-    def _process(self, pid: int):
-        proc = self._known.get(pid)
-        if proc is None or not proc.is_running():  # is_running compares the start time: a reused pid is new
-            proc = self._psutil.Process(pid)
-        return proc
-
-
-def activity(before: Sample, after: Sample, seconds: float) -> Interval:
-    """What the job did between two looks `seconds` apart."""
-    common = before.keys() & after.keys()
-    moved = before.keys() != after.keys() or any(before[key].counters != after[key].counters for key in common)
-    used: Dict[int, float] = {reading.unit: 0.0 for reading in after.values()}
-    asked: Dict[int, float] = dict(used)
-    for key in common:
-        unit = after[key].unit
-        used[unit] += max(0.0, after[key].cpu - before[key].cpu)
-        if before[key].demand is not None and after[key].demand is not None:
-            asked[unit] += max(0.0, after[key].demand - before[key].demand)
-    span = max(seconds, 1e-6)
-    return Interval(moved, {unit: max(used[unit], asked[unit]) / span for unit in used})
-
-
-def flat(samples: Sequence[Mapping[str, Optional[float]]]) -> Optional[Tuple[float, float]]:
-    """(median, largest spread) of the devices' utilisation when every device is flat over `samples`, else None.
-    A device with no value in any sample (N/A) has nothing to say."""
-    import statistics  # a few milliseconds of import that a job without hang detection does not pay
-
-    medians, spreads = [], []
-    for device in set().union(*samples) if samples else ():
-        values = [s[device] for s in samples if s.get(device) is not None]
-        if len(values) < MIN_SAMPLES:
-            continue
-        spread = statistics.pstdev(values)
-        if spread > FLAT_STDDEV:
-            return None
-        medians.append(statistics.median(values))
-        spreads.append(spread)
-    if not medians:
-        return 0.0, 0.0
-    return statistics.median(medians), max(spreads)
-
-
 class Monitor:
     """One attempt's hang detection: `start`, then the supervision loop asks `found()` each turn."""
 
@@ -280,7 +182,7 @@ class Monitor:
 
     def start(self, members: Callable[[], Mapping[int, Any]], wake: Callable[[], None]) -> None:
         """`members`: () -> {pid: its rank's ranks.Unit}, the job's processes (supervise/ranks.py)."""
-        tree = _Tree(members)
+        tree = JobTree(members)
         self._thread = threading.Thread(target=self._run, args=(tree, wake), name="hang-monitor", daemon=True)
         self._thread.start()
 
@@ -321,7 +223,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ the thread
 
-    def _run(self, tree: _Tree, wake: Callable[[], None]) -> None:
+    def _run(self, tree: JobTree, wake: Callable[[], None]) -> None:
         try:
             previous, previous_at = tree.sample(None), self.clock()
             while not self._stop.wait(self._wait()):
@@ -446,7 +348,7 @@ class Monitor:
             return None  # the devices are still changing: not hung (yet)
         evidence, suspects = self._quiet(start, allowance)
         if self.config.tool is not None:
-            evidence += "; " + (_flat_words(level, len(devices)) if devices else
+            evidence += "; " + (flat_words(level, len(devices)) if devices else
                                 f"the accelerators could not be read ({faults[-1] if faults else 'no answer'})")
         if self._signalled:
             evidence = f"no progress signal ({_progress_source(self.config)}) since the start, and {evidence}"
@@ -481,7 +383,7 @@ class Monitor:
         level = flat(devices) if devices else None
         used = f"at most {busiest:.2f} CPU cores"
         if level is not None and devices:
-            return f"{used}, {_flat_words(level, len(devices))}"
+            return f"{used}, {flat_words(level, len(devices))}"
         return used + (", the accelerators busy and changing" if devices else "")
 
     def _hang(self, now: float, evidence: str, faults: List[str], suspects: Sequence[str] = ()) -> Hang:
@@ -496,7 +398,3 @@ def _rank_order(label: str) -> Tuple[int, int, str]:
     return (0, int(match[1]), "") if match else (1, 0, label)
 
 
-def _flat_words(level: Tuple[float, float], samples: int) -> str:
-    median, spread = level
-    state = "idle" if median <= IDLE_PERCENT else "busy but unchanging (busy-polling?)"
-    return f"accelerators {state}: median {median:.0f} %, spread {spread:.1f} points over {samples} samples"

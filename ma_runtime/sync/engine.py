@@ -36,53 +36,35 @@ away locally to save disk, and a sync must not turn a full local disk into lost 
 
 The records (the manifest, the multipart uploads') are an optimisation: when the state folder cannot take
 them (full, read-only) the sync goes on with them in memory, and says so once.
+
+This module owns the channel (`ChannelSync`): its state, the start-up listing, a cycle from scan to report, the
+upload of one file (small or multipart), the markers withdrawn from the store, the deletes, and the events.
+Step 2 (what is whole, the stop rule) is readiness.py; reading a file as the scan saw it is reading.py; the
+uploads of one cycle in their order, with the checkpoint-unit rule for markers, are upload_cycle.py.
 """
 
-import collections
 import dataclasses
+import functools
 import os
 import stat
 import threading
 import time
-from concurrent.futures import ALL_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ma_runtime.storage import url as url_module
 from ma_runtime.storage.base import FileChanged, StorageError
-from ma_runtime.storage.transfer import Calls, EitherStop, Multipart, TransferOptions, name_digest, settle_uploads
-from ma_runtime.storage.transfer.hashing import md5_of, new_md5
-from ma_runtime.storage.transfer.utils import naming_the_store, object_url
-from ma_runtime.sync import writers
+from ma_runtime.storage.transfer import EitherStop, Multipart, TransferOptions, name_digest, settle_uploads
+from ma_runtime.storage.transfer.hashing import new_md5
+from ma_runtime.storage.transfer.utils import object_url
+from ma_runtime.sync import reading
 from ma_runtime.sync.manifest import Manifest, Record
+from ma_runtime.sync.readiness import Readiness
+from ma_runtime.sync.reading import SMALL_LIMIT, Later, Unreadable
 from ma_runtime.sync.targets import Target
 from ma_runtime.sync.tree import Entry, Skipped, scan
 from ma_runtime.sync.units import Units, folder_of, under
-
-MiB = 1 << 20
-# Read into memory and sent with its MD5 below this; bounds memory at workers x SMALL_LIMIT.
-SMALL_LIMIT = 4 * MiB
-# How long a periodic cycle retries one request: the next cycle is the real retry.
-PERIODIC_RETRY_SECONDS = 10.0
-AT_THE_STOP = "being written at the stop"
-REFUSED = "refused by the store"
-
-
-@dataclasses.dataclass
-class Result:
-    files: int = 0
-    bytes: int = 0
-    missing: List[str] = dataclasses.field(default_factory=list)  # relative paths not synced (a final sync)
-    error: Optional[str] = None  # the failure that ended the cycle
-    seconds: float = 0.0
-
-
-class _Later(Exception):
-    """Not this cycle: the file changed while it was read, or is not what the scan saw."""
-
-
-class _Unreadable(Exception):
-    pass
+from ma_runtime.sync.upload_cycle import AT_THE_STOP, REFUSED, Result, UploadCycle
 
 
 class ChannelSync:
@@ -99,16 +81,13 @@ class ChannelSync:
         self.options = dataclasses.replace(options, state_dir=Path(state_dir) / "parts")
         self.manifest = Manifest.load(Path(state_dir) / f"{name_digest(target.url, target.root)}.manifest.json",
                                       target.url, log)
-        self.seen: Dict[str, tuple] = {}  # the identity of each changed file at the last look
-        self.whole: Dict[str, tuple] = {}  # the identity at the last look that found the file whole
         self.refused: Dict[str, tuple] = {}  # set aside: the store refused this version of the file
         self.published: Dict[str, str] = {}  # a marker in the store -> the folder it was published for
         self.listed: Set[str] = set()  # the keys the start-up listing found
         # When the workers began to be stopped (time.time()), told by the runtime: the periodic cycles of the
         # stop's grace then keep what they were writing from replacing the store's whole versions too.
         self.stopping_at: Optional[float] = None
-        self.before_stop: Optional[tuple] = None  # (whole, seen) as the last look before the stop left them
-        self.looks: Deque[tuple] = collections.deque(maxlen=2)  # (started, whole, seen) of the last looks
+        self.readiness = Readiness(target, self.manifest, self._replaces, log)
         self.listing: Optional[tuple] = None  # (done, answer) of the start-up listing, until it is applied
         # The markers the manifest records (in the store), found once: a cycle with changes asks for them, and a
         # walk of a 100 000-file manifest through the marker patterns would cost it most of a second.
@@ -168,7 +147,8 @@ class ChannelSync:
                 self.log.info("objects missing or replaced in the store will be uploaded again", name=self.target.name,
                               files=forgotten)
             self._adopt(listed, stop)
-            aborted = settle_uploads(self.store, self.options.state_dir, self.url_prefix, self._still_same, self.log)
+            unchanged = functools.partial(reading.still_same, is_log=self.target.is_log)  # resumed, not aborted
+            aborted = settle_uploads(self.store, self.options.state_dir, self.url_prefix, unchanged, self.log)
             if aborted:
                 self.log.info("aborted unfinished uploads of files that changed", name=self.target.name,
                               uploads=aborted)
@@ -186,7 +166,7 @@ class ChannelSync:
             if self.manifest.get(relative) or info is None or info.size != entry.size or not info.md5:
                 continue
             try:
-                md5 = _md5_of_file(entry)
+                md5 = reading.md5_of_file(entry)
             except OSError:
                 continue
             if md5 == info.md5:
@@ -214,10 +194,10 @@ class ChannelSync:
         self.walk_cpu = time.thread_time() - walk_started
         entries = {relative: entry for relative, entry in entries.items()
                    if (only is None or only(relative)) and not self.units.excluded(relative)}
-        ready, at_stop = self._ready(entries, final, stopped_at, look)
+        ready, at_stop = self.readiness.ready(entries, final, stopped_at if final else self.stopping_at, look)
         set_aside = {relative for relative in ready if self.refused.get(relative) == entries[relative].identity}
         result = Result()
-        run = _UploadCycle(self, entries, result, deadline, stop, final)
+        run = UploadCycle(self, entries, result, deadline, stop, final)
         run.held.update(set(entries) - set(ready))
         run.refused.update(set_aside)
         run.why.update({relative: AT_THE_STOP for relative in at_stop})
@@ -235,73 +215,11 @@ class ChannelSync:
         self._report(result, final, whole=only is None)
         return result
 
-    def _ready(self, entries: Dict[str, Entry], final: bool, stopped_at: Optional[float],
-               look: float) -> Tuple[List[str], List[str]]:
-        """(the changed files to upload now, those held because they were being written when the workers were
-        stopped). `look`: when this look began (time.time())."""
-        if self.target.is_log:
-            return list(entries), []
-        stop = stopped_at if final else self.stopping_at
-        if stop is None:
-            self.before_stop = None
-        elif self.before_stop is None:  # what the looks that began before the stop found, and nothing later
-            self.before_stop = next(((whole, seen) for started, whole, seen in reversed(self.looks)
-                                     if started < stop), ({}, {}))
-        # At a final sync every writer is gone: a file is as whole as it will ever be.
-        ready = list(entries) if final else self._whole_now(entries, look)
-        if stop is None:
-            return ready, []
-        return self._not_replacing_after(stop, entries, ready, warn=final)
+    def _replaces(self, relative: str) -> bool:
+        """Uploading it would replace an object in the store (one we uploaded, or the start-up listing found)."""
+        return self.manifest.get(relative) is not None or self.key_of(relative) in self.listed
 
-    def _whole_now(self, entries: Dict[str, Entry], look: float) -> List[str]:
-        """The changed files whole at this look: closed by their writer, or the same at two looks. A file
-        rewritten in place over an object we uploaded (same inode) needs the two looks even when closed: a
-        writer that died mid-write left it closed and torn; one with a new inode was renamed into place."""
-        changed = list(entries)
-        unsettled = [relative for relative in changed if self.seen.get(relative) != entries[relative].identity]
-        closed = self._closed(entries, [relative for relative in unsettled
-                                        if not self._rewritten_in_place(relative, entries[relative])])
-        ready = [relative for relative in changed if self.seen.get(relative) == entries[relative].identity
-                 or relative in closed]
-        self.seen = {relative: entries[relative].identity for relative in changed}
-        self.whole = {relative: identity for relative, identity in self.whole.items() if relative in entries}
-        self.whole.update((relative, entries[relative].identity) for relative in ready)
-        self.looks.append((look, self.whole, self.seen))
-        return ready
-
-    def _rewritten_in_place(self, relative: str, entry: Entry) -> bool:
-        record = self.manifest.get(relative)
-        return record is not None and record.identity[2] == entry.ino
-
-    def _closed(self, entries: Dict[str, Entry], relatives: List[str]) -> Set[str]:
-        """Those of `relatives` no process holds open for writing (none, when that cannot be told)."""
-        if not relatives:
-            return set()
-        writing = writers.open_for_writing([str(self.target.root)], {entries[r].ino for r in relatives})
-        if writing is None:
-            return set()
-        return {relative for relative in relatives if entries[relative].ino not in writing}
-
-    def _not_replacing_after(self, stop: float, entries: Dict[str, Entry], ready: List[str],
-                             warn: bool) -> Tuple[List[str], List[str]]:
-        """Once the workers are being stopped (since `stop`, time.time()): a file that would replace an object
-        goes up only if a look before the stop found it whole and it has not changed since; a new file replaces
-        nothing and goes as usual."""
-        whole, seen = self.before_stop
-        stop_ns = int(stop * 1e9)
-        kept, at_stop = [], []
-        for relative in ready:
-            entry = entries[relative]
-            replaces = self.manifest.get(relative) is not None or self.key_of(relative) in self.listed
-            settled = entry.identity in (whole.get(relative), seen.get(relative)) and entry.mtime_ns < stop_ns
-            (kept if not replaces or settled else at_stop).append(relative)
-        if at_stop and warn:
-            self.log.warning("files being written when the workers were stopped are not synced: the store keeps "
-                             "their last whole version", name=self.target.name, files=len(at_stop),
-                             first=", ".join(sorted(at_stop)[:3]))
-        return kept, at_stop
-
-    def _missing(self, run: "_UploadCycle") -> List[str]:
+    def _missing(self, run: UploadCycle) -> List[str]:
         """What a final sync did not upload, each with why when that is known. A log with an earlier copy in the
         store is not missing: a log only grows, so the store has all of it but the last lines (the next sync of
         the same folder sends them)."""
@@ -325,7 +243,7 @@ class ChannelSync:
 
     # ------------------------------------------------------------------ markers in the store
 
-    def withdraw_markers(self, relatives: List[str], run: "_UploadCycle") -> Optional[List[str]]:
+    def withdraw_markers(self, relatives: List[str], run: UploadCycle) -> Optional[List[str]]:
         """Deletes from the store each marker we published whose unit holds one of `relatives` (about to go up),
         before they do; returns those withdrawn, or None when the store failed (the cycle ends: nothing of those
         units goes up)."""
@@ -365,13 +283,13 @@ class ChannelSync:
 
     def upload(self, relative: str, entry: Entry, calls, stop: threading.Event) -> Optional[int]:
         """Uploads one file; returns the bytes sent, None when the store had them already (only the file's
-        times changed). Raises _Later, _Unreadable or StorageError."""
+        times changed). Raises Later, Unreadable or StorageError."""
         if entry.size < SMALL_LIMIT:
             return self._put_small(relative, entry, calls)
         return self._put_large(relative, entry, stop)
 
     def _put_small(self, relative: str, entry: Entry, calls) -> Optional[int]:
-        data = self._read(entry)
+        data = reading.read(entry, self.target.is_log)
         digest = new_md5()  # usedforsecurity=False: an integrity check, allowed on FIPS hosts
         digest.update(data)
         md5 = digest.hexdigest()
@@ -383,50 +301,8 @@ class ChannelSync:
         self._record(relative, Record(entry.identity, md5, info.etag))
         return len(data)
 
-    def _read(self, entry: Entry) -> bytes:
-        """The file's bytes as the scan saw it, or _Later. O_NONBLOCK: a FIFO put there since never blocks."""
-        fd = self._open(entry)
-        try:
-            data = _read_exactly(fd, entry.size)
-            if len(data) < entry.size or not self._same(entry, os.fstat(fd), after_read=True):
-                raise _Later()
-            return data
-        except OSError as exc:
-            raise _Unreadable(exc.strerror or str(exc)) from None
-        finally:
-            os.close(fd)
-
-    def _open(self, entry: Entry) -> int:
-        """A descriptor of the very file the scan saw (its version stays readable whatever the path does next),
-        or _Later / _Unreadable."""
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except PermissionError:
-            raise _Unreadable("permission denied") from None
-        except FileNotFoundError:
-            raise _Later() from None
-        except OSError as exc:
-            raise _Unreadable(exc.strerror or str(exc)) from None
-        try:
-            before = os.fstat(fd)
-        except OSError as exc:
-            os.close(fd)
-            raise _Unreadable(exc.strerror or str(exc)) from None
-        if not stat.S_ISREG(before.st_mode) or not self._same(entry, before):
-            os.close(fd)
-            raise _Later()
-        return fd
-
-    def _same(self, entry: Entry, stats: os.stat_result, after_read: bool = False) -> bool:
-        """Still the file the scan saw. A log may have grown (its first `size` bytes are what is sent)."""
-        if stats.st_ino != entry.ino:
-            return False
-        if self.target.is_log:
-            return stats.st_size >= entry.size
-        return (stats.st_size, stats.st_mtime_ns) == (entry.size, entry.mtime_ns)
-
     def _put_large(self, relative: str, entry: Entry, stop: threading.Event) -> int:
-        fd = self._open(entry)
+        fd = reading.open_as_scanned(entry, self.target.is_log)
         try:
             stats = os.fstat(fd)
             # The parts are read through this descriptor: a file renamed over meanwhile (the next `last.ckpt`)
@@ -435,25 +311,16 @@ class ChannelSync:
             url = object_url(self.location, self.key_of(relative))
             upload = Multipart(self.store, self.location.bucket, self.key_of(relative), url, Path(entry.path), stats,
                                self.options, self.log, size=entry.size, stop=stop, quiet=True, source=source,
-                               unchanged=lambda: self._same(entry, os.fstat(fd)))
+                               unchanged=lambda: reading.same(entry, os.fstat(fd), self.target.is_log))
             info = upload.run()
         except FileChanged:
-            raise _Later() from None
+            raise Later() from None
         except PermissionError:
-            raise _Unreadable("permission denied") from None
+            raise Unreadable("permission denied") from None
         finally:
             os.close(fd)
         self._record(relative, Record(entry.identity, None, info.etag))
         return entry.size
-
-    def _still_same(self, record: dict) -> bool:
-        """An unfinished upload's file is unchanged since it started: resume it rather than abort it."""
-        try:
-            stats = os.stat(record["path"])
-        except (OSError, KeyError):
-            return False
-        return (stats.st_mtime_ns, stats.st_ino) == (record.get("mtime_ns"), record.get("ino")) and (
-            stats.st_size == record.get("size") or (self.target.is_log and stats.st_size >= record.get("size", 0)))
 
     def _record(self, relative: str, record: Record) -> None:
         with self.lock:
@@ -471,7 +338,7 @@ class ChannelSync:
 
     # ------------------------------------------------------------------ deletes and events
 
-    def _delete_vanished(self, present: Set[str], run: "_UploadCycle") -> None:
+    def _delete_vanished(self, present: Set[str], run: UploadCycle) -> None:
         calls = run.calls
         for relative in self.manifest.relatives():
             if run.out_of_time():
@@ -508,158 +375,6 @@ class ChannelSync:
                              error=result.error, next=None if final else "retried next cycle")
 
 
-class _UploadCycle:
-    """The uploads of one cycle: small files in a pool, markers after their units, large files one at a time
-    (each in parallel parts), every wait bounded by the deadline."""
-
-    def __init__(self, sync: ChannelSync, entries: Dict[str, Entry], result: Result, deadline: Optional[float],
-                 stop: threading.Event, final: bool):
-        self.sync = sync
-        self.entries = entries
-        self.result = result
-        self.deadline = deadline
-        self.stop = stop
-        retry = max(0.5, deadline - time.monotonic()) if deadline is not None else PERIODIC_RETRY_SECONDS
-        options = dataclasses.replace(sync.options, retry_seconds=min(sync.options.retry_seconds, retry)
-                                      if not final else retry)
-        self.calls = Calls(options, sync.log, stop)
-        self.pending: Set[str] = set()
-        self.held: Set[str] = set()  # not uploaded this cycle: not whole yet, changed while read, or failed
-        self.unreadable: Set[str] = set()  # skipped, not missing; but no marker goes up beside one
-        self.refused: Set[str] = set()  # set aside: the store refused them
-        self.why: Dict[str, str] = {}  # why a file was held, when a reader should know
-        self.units: Dict[str, str] = {}  # marker -> the folder it completes
-        self.lock = threading.Lock()
-
-    def all(self, ready: List[str]) -> None:
-        markers = [r for r in ready if self.sync.is_marker(r)]
-        plain = [r for r in ready if not self.sync.is_marker(r)]
-        self.pending.update(ready)
-        withdrawn = self.sync.withdraw_markers(plain, self) if plain else []
-        if withdrawn is None:
-            with self.lock:
-                self.held.update(self.pending)
-                self.pending.clear()
-            return
-        for marker in withdrawn:  # unchanged locally: published again, once its unit is whole, this cycle
-            entry = self.entries.get(marker) or self.sync.entry_of(marker)
-            if entry is not None and marker not in markers:
-                self.entries[marker] = entry
-                markers.append(marker)
-                self.pending.add(marker)
-        markers.sort(key=lambda r: -r.count("/"))  # deepest first
-        small = sorted((r for r in plain if self.entries[r].size < SMALL_LIMIT), key=lambda r: self.entries[r].size)
-        large = [r for r in plain if self.entries[r].size >= SMALL_LIMIT]
-        self.units = {marker: self.sync.unit_of(marker) for marker in markers}
-        workers = min(self.sync.options.workers, max(1, len(small)))
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sync")
-        try:
-            self._each(pool, small)
-            markers = self._markers(pool, markers)
-            for relative in large:  # each in parallel parts already
-                self._each(pool, [relative])
-            self._markers(pool, markers)
-        finally:
-            pool.shutdown(wait=self.deadline is None, cancel_futures=True)
-
-    def _markers(self, pool, markers: List[str]) -> List[str]:
-        """Uploads each marker whose unit is complete, deepest first; returns those still held back.
-
-        The unit is every file under the folder the marker completes. Safety over liveness: a file still being
-        written there holds the marker back, even one that is not part of the checkpoint (a metrics file
-        appended beside a `*.done` holds it until the final sync; the README says so)."""
-        waiting = []
-        for marker in markers:
-            unit = self.units[marker]
-            with self.lock:
-                blocked = any(r != marker and under(r, unit)
-                              for r in (*self.pending, *self.held, *self.unreadable, *self.refused))
-            if blocked:
-                waiting.append(marker)
-            else:
-                self._each(pool, [marker])
-        return waiting
-
-    def _each(self, pool, relatives: List[str]) -> None:
-        if not relatives:
-            return
-        if self.out_of_time():
-            return
-        futures = [pool.submit(self._one, relative) for relative in relatives]
-        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        done, _ = wait(futures, timeout=timeout, return_when=ALL_COMPLETED)
-        if len(done) < len(futures):
-            self.stop.set()  # the deadline: what is still pending stays missing
-
-    def out_of_time(self) -> bool:
-        return self.stop.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
-
-    def _one(self, relative: str) -> None:
-        if self.out_of_time():
-            return
-        entry = self.entries[relative]
-        try:
-            sent = self.sync.upload(relative, entry, self.calls, self.stop)
-        except _Later:
-            self._hold(relative)
-            return
-        except _Unreadable as exc:
-            self.sync.skipped(str(entry.path), f"cannot be read: {exc}")
-            self._hold(relative, missing=False)
-            with self.lock:
-                self.unreadable.add(relative)
-            return
-        except StorageError as exc:
-            if exc.refusal:
-                self._refuse(relative, entry, exc)
-            else:
-                self.fail(relative, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - a local failure (a full disk) must not vanish inside the pool
-            self.sync.warn_once("sync failed for a file", relative, error=f"{type(exc).__name__}: {exc}")
-            self._hold(relative)
-            return
-        with self.lock:
-            self.pending.discard(relative)
-            if relative in self.units:
-                self.sync.published[relative] = self.units[relative]
-            if sent is not None:  # a file only touched (same bytes) is recorded, not counted as uploaded
-                self.result.files += 1
-                self.result.bytes += sent
-
-    def _refuse(self, relative: str, entry: Entry, exc: StorageError) -> None:
-        """The store will not take this object: set it aside until it changes, and go on with the others."""
-        self.sync.refused[relative] = entry.identity
-        self.sync.warn_once("the store refused a file: set aside until it changes", relative,
-                            error=str(naming_the_store(exc, self.sync.store, self.sync.location)))
-        with self.lock:
-            self.pending.discard(relative)
-            self.refused.add(relative)
-            self.why[relative] = REFUSED
-
-    def _hold(self, relative: str, missing: bool = True) -> None:
-        with self.lock:
-            self.pending.discard(relative)
-            if missing:
-                self.held.add(relative)
-
-    def fail(self, relative: str, exc: StorageError) -> None:
-        self._hold(relative)
-        named = naming_the_store(exc, self.sync.store, self.sync.location)  # the endpoint, once
-        with self.lock:
-            if self.result.error is None and not self.stop.is_set():
-                self.result.error = str(named)
-        self.stop.set()  # the endpoint refuses or is down: the next cycle tries again
-
-
-def _md5_of_file(entry: Entry) -> str:
-    fd = os.open(entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in never blocks
-    try:
-        return md5_of(fd, entry.size)
-    finally:
-        os.close(fd)
-
-
 def _vanished(path: str) -> bool:
     """Only a file certainly gone: a folder we may not search (EACCES) hides a file, it does not remove it."""
     try:
@@ -669,16 +384,3 @@ def _vanished(path: str) -> bool:
     except OSError:
         return False
     return False
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    """`size` bytes from the start, fewer only at an early end of file."""
-    chunks = []
-    offset = 0
-    while offset < size:
-        chunk = os.pread(fd, size - offset, offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import spec
-from ma_runtime.launch import sshd
+from ma_runtime.launch import sshd_files
 from tests.conftest import alive, free_port, run_ma, wait_for_file
 from tests.e2e import test_multinode as multinode
 from tests.e2e.test_launchers import JOBS, launcher_env, termination
@@ -200,7 +200,7 @@ def test_a_home_with_spaces_and_shell_characters_runs_across_two_nodes(job_env, 
         env.update(MA_HOME=str(home), MA_RUNTIME_TERMINATION_LOG=str(home / "termination-log"))
         envs.append(trusted(env))
 
-    links = [sshd.named_folder(spec.load({}, env)) for env in envs]  # in /tmp: the runtime leaves them for reuse
+    links = [sshd_files.named_folder(spec.load({}, env)) for env in envs]  # in /tmp: the runtime leaves them for reuse
     try:
         start_both(nodes, envs)
         codes = nodes.wait(timeout=120)
@@ -215,7 +215,7 @@ def test_a_home_with_spaces_and_shell_characters_runs_across_two_nodes(job_env, 
     for rank in range(4):
         assert f"rank {rank} of 4 on {nodes.hosts[rank // 2]}: allreduce=10" in stdout, report
     stderr = nodes.outputs[0].with_suffix(".err").read_text(errors="replace")
-    assert f"-F {links[0]}/ssh_config" in stderr and sshd.is_plain(str(links[0])), report  # ssh's -F: one word
+    assert f"-F {links[0]}/ssh_config" in stderr and sshd_files.is_plain(str(links[0])), report  # ssh's -F: one word
     assert not list(tmp_path.rglob("pwned")) and not (Path.cwd() / "pwned").exists()  # nothing was evaluated
     assert namespace_pids(nodes) == [], describe(namespace_pids(nodes))
 

@@ -11,7 +11,7 @@ import pytest
 from ma_runtime import errors
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import CommandNotExecutable, exceeds_exec_limits, exec_total_limit, too_large_for_exec
-from ma_runtime.launch import sshd
+from ma_runtime.launch import sshd_files
 from ma_runtime.process.lifecycle import ToolError, run_tool
 from ma_runtime.process.worker import spawn
 from ma_runtime.sync import control
@@ -94,5 +94,5 @@ def test_an_accelerator_tool_that_cannot_start_says_why(huge_environment):
 
 def test_ssh_keygen_that_cannot_start_is_one_line(huge_environment, tmp_path):
     with pytest.raises(errors.ConfigError) as caught:
-        sshd._keygen(tmp_path / "key", "ssh-keygen", "sshd's host key")
+        sshd_files.keygen(tmp_path / "key", "ssh-keygen", "sshd's host key")
     assert LINE.search(caught.value.reason) and "cannot run ssh-keygen" in caught.value.reason

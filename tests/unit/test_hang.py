@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from ma_runtime.supervise import hang
-from ma_runtime.supervise.hang import Config, Monitor, Reading, activity, flat
+from ma_runtime.supervise.hang import Config, Monitor
+from ma_runtime.supervise.hang_measures import JobTree, Reading, activity, flat
 from ma_runtime.supervise.ranks import Unit
 
 WINDOW = 10.0
@@ -294,7 +295,7 @@ def test_the_tree_sample_reads_a_real_process(tmp_path):
                               "    sys.stdout.write('x'); sys.stdout.flush(); time.sleep(0.3)\ntime.sleep(30)"],
                              stdout=subprocess.DEVNULL)
     try:
-        tree = hang._Tree(lambda: {child.pid: Unit(child.pid, "command", "rank 0")})
+        tree = JobTree(lambda: {child.pid: Unit(child.pid, "command", "rank 0")})
         first = tree.sample(None)
         time.sleep(1.2)
         second = tree.sample(None)
@@ -310,7 +311,7 @@ def test_the_tree_sample_reads_a_real_process(tmp_path):
     finally:
         child.kill()
         child.wait()
-    assert hang._Tree(lambda: {child.pid: Unit(child.pid, "command", "x")}).sample() == {}  # gone: nothing, no error
+    assert JobTree(lambda: {child.pid: Unit(child.pid, "command", "x")}).sample() == {}  # gone: nothing, no error
 
 
 def test_a_pattern_whose_matcher_is_gone_leaves_the_metrics_to_decide():

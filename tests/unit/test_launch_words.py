@@ -17,7 +17,7 @@ import pytest
 
 from ma_runtime import spec
 from ma_runtime.errors import ConfigError
-from ma_runtime.launch import registry, sshd
+from ma_runtime.launch import registry, sshd, sshd_files
 from ma_runtime.process import children
 from ma_runtime.stages.ranktable import model as table_model
 from tests.conftest import MA_RUNTIME, alive, free_port
@@ -120,7 +120,7 @@ def test_every_path_in_each_launchers_plan_is_whole_with_a_hostile_home(hostile,
         # Open MPI splits it at every space, then puts it in double quotes in orted's remote shell command.
         words = mpirun["argv"][mpirun["argv"].index("plm_rsh_args") + 1].split(" ")
         assert words[:3] == ["-p", "36666", "-F"] and len(words) == 4, words
-        assert sshd.is_plain(words[3]) and words[3].endswith("/ssh_config"), words
+        assert sshd_files.is_plain(words[3]) and words[3].endswith("/ssh_config"), words
 
 
 @pytest.mark.parametrize("launch", ["plain", "pytorch-gpu"])
@@ -152,7 +152,7 @@ def hostile_node(tmp_path):
                    "MY_SSHD_PORT": str(free_port())}
         environ.update({name: str(value) for name, value in variables.items()})
         job_spec = spec.load({}, environ)
-        links.append(sshd.named_folder(job_spec))
+        links.append(sshd_files.named_folder(job_spec))
         return job_spec, environ
 
     yield make, started
@@ -185,13 +185,13 @@ def test_sshd_and_ssh_read_their_configs_whole_when_the_home_is_hostile(hostile_
 
     start(job_spec, environ, started)
 
-    named, real = sshd.named_folder(job_spec), sshd.folder(job_spec)
-    assert named != real and sshd.is_plain(str(named)) and named.resolve() == real.resolve()
+    named, real = sshd_files.named_folder(job_spec), sshd_files.folder(job_spec)
+    assert named != real and sshd_files.is_plain(str(named)) and named.resolve() == real.resolve()
     for config in (real / "sshd_config", real / "ssh_config"):
         text = config.read_text()
         assert "my home" not in text and "line two" not in text, text  # only the plain name, comments included
     assert f"IdentityFile {named / 'ssh' / 'id_ed25519'}" in (real / "ssh_config").read_text()
-    done = login(sshd.client_config(job_spec), job_spec.sshd_port)  # the word plm_rsh_args gives ssh
+    done = login(sshd_files.client_config(job_spec), job_spec.sshd_port)  # the word plm_rsh_args gives ssh
     assert done.stdout.strip() == "logged-in", done.stderr
 
 
@@ -206,9 +206,9 @@ def test_the_link_is_reused_by_the_next_run_and_a_foreign_one_is_78(hostile_node
         children._SERVICES.discard(pid)
     started.clear()
     start(job_spec, environ, started)
-    assert started and sshd.named_folder(job_spec).is_symlink()
+    assert started and sshd_files.named_folder(job_spec).is_symlink()
 
-    named = sshd.named_folder(job_spec)
+    named = sshd_files.named_folder(job_spec)
     named.unlink()
     named.symlink_to(tmp_path)  # another folder under the name: someone else's
     with pytest.raises(ConfigError) as raised:
@@ -219,7 +219,7 @@ def test_the_link_is_reused_by_the_next_run_and_a_foreign_one_is_78(hostile_node
 
 def test_a_trust_file_whose_name_ssh_config_cannot_hold_is_left_out_with_a_warning():
     log = Log()
-    kept = sshd._named_keys(["id_rsa", "id_my key", "authorized_keys"], log)
+    kept = sshd_files.named_keys(["id_rsa", "id_my key", "authorized_keys"], log)
     assert kept == ["id_rsa", "authorized_keys"]
     (warned,) = log.fields("trust file not named in ssh_config: its name has characters ssh_config would take apart",
                            "warning")
@@ -228,4 +228,4 @@ def test_a_trust_file_whose_name_ssh_config_cannot_hold_is_left_out_with_a_warni
 
 def test_a_plain_home_is_named_as_it_is():
     job_spec = spec.load({}, {"MA_HOME": "/home/ma-user", "MA_RUN_METHOD": "mpirun"})
-    assert sshd.named_folder(job_spec) == sshd.folder(job_spec)
+    assert sshd_files.named_folder(job_spec) == sshd_files.folder(job_spec)

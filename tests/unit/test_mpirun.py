@@ -18,7 +18,7 @@ import pytest
 
 from ma_runtime import spec
 from ma_runtime.errors import ConfigError, ExitCode, LaunchTimedOut
-from ma_runtime.launch import mpirun, plan, sshd
+from ma_runtime.launch import mpirun, plan, sshd, sshd_files, sshd_key
 from ma_runtime.launch.base import RootCause
 from ma_runtime.process import children
 from ma_runtime.process.table import processes
@@ -468,7 +468,7 @@ def test_sshd_listens_as_the_jobs_service_and_lets_worker_0s_key_in_through_the_
 
     (pid,) = started
     assert pid in children._SERVICES and alive(pid)
-    folder = sshd.folder(job_spec)
+    folder = sshd_files.folder(job_spec)
     assert oct(os.stat(folder).st_mode & 0o777) == "0o700"
     for name in ("id_ed25519", "authorized_keys", "config"):
         assert oct(os.stat(folder / "ssh" / name).st_mode & 0o777) == "0o600", name
@@ -544,11 +544,11 @@ def answering(answer: bytes):
 
 
 def test_the_key_port_is_its_setting_else_the_sshd_port_plus_one_and_never_the_sshd_port(job):
-    assert sshd.key_port(job(MY_SSHD_PORT=2222)[0]) == 2223
-    assert sshd.key_port(job(MY_SSHD_PORT=65535)[0]) == 65534
-    assert sshd.key_port(job(MY_SSHD_PORT=2222, MA_RUNTIME_MPI_KEY_PORT=4000)[0]) == 4000
+    assert sshd_key.key_port(job(MY_SSHD_PORT=2222)[0]) == 2223
+    assert sshd_key.key_port(job(MY_SSHD_PORT=65535)[0]) == 65534
+    assert sshd_key.key_port(job(MY_SSHD_PORT=2222, MA_RUNTIME_MPI_KEY_PORT=4000)[0]) == 4000
     with pytest.raises(ConfigError, match="MA_RUNTIME_MPI_KEY_PORT=4000 is MY_SSHD_PORT's port"):
-        sshd.key_port(job(MY_SSHD_PORT=4000, MA_RUNTIME_MPI_KEY_PORT=4000)[0])
+        sshd_key.key_port(job(MY_SSHD_PORT=4000, MA_RUNTIME_MPI_KEY_PORT=4000)[0])
 
 
 @needs_sshd
@@ -560,7 +560,7 @@ def test_worker_0_without_trust_files_makes_the_jobs_key_and_serves_its_public_h
     start(job_spec, environ, started, client=True, log=log)
 
     assert len(started) == 2 and all(alive(pid) for pid in started)  # the key server and sshd, the job's services
-    keys = sshd.folder(job_spec) / "ssh"
+    keys = sshd_files.folder(job_spec) / "ssh"
     public = (keys / "id_job_ed25519.pub").read_bytes()
     assert _answer(job_spec.mpi_key_port) == public == _answer(job_spec.mpi_key_port)  # to anyone, every time
     assert public.startswith(b"ssh-ed25519 ") and public.count(b"\n") == 1
@@ -569,7 +569,7 @@ def test_worker_0_without_trust_files_makes_the_jobs_key_and_serves_its_public_h
     assert log.fields("serving the job's public key") == [{"port": job_spec.mpi_key_port,
                                                            "path": str(keys / "id_job_ed25519.pub")}]
     # Its ssh logs in with that key (its own sshd authorizes it too).
-    done = login(sshd.folder(job_spec) / "ssh_config", job_spec.sshd_port)
+    done = login(sshd_files.folder(job_spec) / "ssh_config", job_spec.sshd_port)
     assert done.stdout.strip() == "logged-in", done.stderr
 
 
@@ -593,7 +593,7 @@ def test_the_key_server_refuses_to_serve_a_private_key(tmp_path):
     key = tmp_path / "key"
     subprocess.run([_which("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
 
-    done = subprocess.run([sys.executable, "-m", "ma_runtime.launch.sshd", "--serve-public-key", str(key), "--port",
+    done = subprocess.run([sys.executable, "-m", "ma_runtime.launch.sshd_key", "--serve-public-key", str(key), "--port",
                            str(free_port()), "--pid-file", str(tmp_path / "pid")],
                           capture_output=True, text=True, timeout=30)
 
@@ -612,11 +612,11 @@ def test_a_peer_without_authorized_keys_fetches_worker_0s_public_key_and_worker_
     start(zero, zero_environ, started, client=True)
     start(one, one_environ, started)
 
-    authorized = sshd.folder(one) / "ssh" / "authorized_keys"
-    assert authorized.read_bytes() == (sshd.folder(zero) / "ssh" / "id_job_ed25519.pub").read_bytes()
+    authorized = sshd_files.folder(one) / "ssh" / "authorized_keys"
+    assert authorized.read_bytes() == (sshd_files.folder(zero) / "ssh" / "id_job_ed25519.pub").read_bytes()
     assert oct(os.stat(authorized).st_mode & 0o777) == "0o600"
-    assert not [name for name in os.listdir(sshd.folder(one) / "ssh") if name.startswith("id_")]  # no private key
-    done = login(sshd.folder(zero) / "ssh_config", one.sshd_port)  # mpirun's ssh, worker-0 to worker-1
+    assert not [name for name in os.listdir(sshd_files.folder(one) / "ssh") if name.startswith("id_")]  # no private key
+    done = login(sshd_files.folder(zero) / "ssh_config", one.sshd_port)  # mpirun's ssh, worker-0 to worker-1
     assert done.stdout.strip() == "logged-in", done.stderr
 
 
@@ -648,7 +648,7 @@ def test_an_answer_that_is_not_one_ed25519_public_key_is_78_and_authorizes_nothi
     assert f"worker-0 (localhost) answered on port {port} with something other than the job's public key" in (
         caught.value.reason)
     assert "MA_RUNTIME_MPI_KEY_PORT" in caught.value.hint
-    assert started == [] and not (sshd.folder(job_spec) / "ssh" / "authorized_keys").exists()
+    assert started == [] and not (sshd_files.folder(job_spec) / "ssh" / "authorized_keys").exists()
 
 
 @needs_sshd
@@ -680,7 +680,7 @@ def test_a_peer_with_mounted_authorized_keys_asks_worker_0_for_nothing(node):
 
         start(job_spec, environ, started)
 
-    copied = sshd.folder(job_spec) / "ssh" / "authorized_keys"
+    copied = sshd_files.folder(job_spec) / "ssh" / "authorized_keys"
     assert copied.read_bytes() == (mounted / "authorized_keys").read_bytes()
 
 

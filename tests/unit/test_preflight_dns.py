@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import spec
-from ma_runtime.stages.preflight import dns
+from ma_runtime.stages.preflight import dns, dns_resolve
 from ma_runtime.stages.preflight.model import Status
 from tests.conftest import MA_RUN
 
@@ -117,7 +117,7 @@ class FakeLookup:
 
 def test_failures_are_retried_in_rounds_until_they_resolve():
     lookup = FakeLookup(fail_first={"late.job": 2})
-    outcome = dns.resolve(["early.job", "late.job"], timeout=1, deadline=10, lookup=lookup)
+    outcome = dns_resolve.resolve(["early.job", "late.job"], timeout=1, deadline=10, lookup=lookup)
     assert outcome.resolved == ["early.job", "late.job"]
     assert outcome.unresolved == []
     assert outcome.rounds == 3
@@ -126,7 +126,7 @@ def test_failures_are_retried_in_rounds_until_they_resolve():
 
 def test_a_zero_deadline_means_one_round():
     lookup = FakeLookup(fail_first={"down.job": 99})
-    outcome = dns.resolve(["down.job"], timeout=1, deadline=0, lookup=lookup)
+    outcome = dns_resolve.resolve(["down.job"], timeout=1, deadline=0, lookup=lookup)
     assert (outcome.unresolved, outcome.rounds, lookup.calls) == (["down.job"], 1, {"down.job": 1})
     assert outcome.errors == {"down.job": "Temporary failure in name resolution"}
 
@@ -134,7 +134,7 @@ def test_a_zero_deadline_means_one_round():
 def test_a_hung_lookup_times_out_and_is_never_started_twice():
     lookup = FakeLookup(hang={"hung.job"})
     try:
-        outcome = dns.resolve(["hung.job", "ok.job"], timeout=0.2, deadline=1.5, lookup=lookup)
+        outcome = dns_resolve.resolve(["hung.job", "ok.job"], timeout=0.2, deadline=1.5, lookup=lookup)
     finally:
         lookup.release.set()
     assert outcome.resolved == ["ok.job"]
@@ -145,11 +145,11 @@ def test_a_hung_lookup_times_out_and_is_never_started_twice():
 
 def test_hung_lookups_do_not_starve_the_other_names():
     # More hung names than workers, queued first: every worker gets stuck, then is replaced.
-    hung = [f"hung-{i}.job" for i in range(dns.WORKERS_MAX + 6)]
+    hung = [f"hung-{i}.job" for i in range(dns_resolve.WORKERS_MAX + 6)]
     good = [f"ok-{i}.job" for i in range(20)]
     lookup = FakeLookup(hang=hung)
     try:
-        outcome = dns.resolve(hung + good, timeout=0.2, deadline=1, lookup=lookup)
+        outcome = dns_resolve.resolve(hung + good, timeout=0.2, deadline=1, lookup=lookup)
     finally:
         lookup.release.set()
     assert outcome.resolved == good
@@ -159,7 +159,7 @@ def test_hung_lookups_do_not_starve_the_other_names():
 def test_a_late_answer_from_an_overdue_lookup_still_counts():
     lookup = FakeLookup(hang={"slow.job"}, answer_after_hang=None)
     threading.Timer(0.5, lookup.release.set).start()
-    outcome = dns.resolve(["slow.job"], timeout=0.1, deadline=5, lookup=lookup)
+    outcome = dns_resolve.resolve(["slow.job"], timeout=0.1, deadline=5, lookup=lookup)
     assert outcome.resolved == ["slow.job"]
     assert lookup.calls == {"slow.job": 1}
 
@@ -167,8 +167,8 @@ def test_a_late_answer_from_an_overdue_lookup_still_counts():
 def test_a_hung_lookup_does_not_keep_the_interpreter_from_exiting():
     child = (
         "import time\n"
-        "from ma_runtime.stages.preflight import dns\n"
-        "outcome = dns.resolve(['hung.job'], timeout=0.2, deadline=0.5, lookup=lambda name: time.sleep(600))\n"
+        "from ma_runtime.stages.preflight import dns_resolve\n"
+        "outcome = dns_resolve.resolve(['hung.job'], timeout=0.2, deadline=0.5, lookup=lambda name: time.sleep(600))\n"
         "print(outcome.unresolved)\n"
     )
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
@@ -231,7 +231,7 @@ class Reports:
 def test_progress_names_what_is_still_unresolved_at_a_steady_interval():
     # RFC 6761: .invalid never resolves; localhost always does.
     reports = Reports()
-    dns.resolve(["x.invalid", "localhost"], timeout=1, deadline=1.6, progress=reports, every=0.4)
+    dns_resolve.resolve(["x.invalid", "localhost"], timeout=1, deadline=1.6, progress=reports, every=0.4)
     assert len(reports.calls) >= 2
     assert all(unresolved == ["x.invalid"] for unresolved, _, _ in reports.calls)
     elapsed = [call[1] for call in reports.calls]
@@ -245,7 +245,7 @@ def test_the_first_progress_report_follows_the_first_failed_round():
     # The wait is announced once the first round has failed, not one whole interval later.
     reports = Reports()
     lookup = FakeLookup(fail_first={"late.job": 99})
-    dns.resolve(["late.job"], timeout=1, deadline=0.6, lookup=lookup, progress=reports, every=60)
+    dns_resolve.resolve(["late.job"], timeout=1, deadline=0.6, lookup=lookup, progress=reports, every=60)
     assert [call[0] for call in reports.calls] == [["late.job"]]
 
 
@@ -256,7 +256,7 @@ def test_progress_does_not_spin_while_a_first_round_outlives_the_deadline():
     lookup = FakeLookup(hang={"hung.job"})
     try:
         cpu = time.process_time()
-        dns.resolve(["hung.job"], timeout=1.0, deadline=0.2, lookup=lookup, progress=reports, every=0.05)
+        dns_resolve.resolve(["hung.job"], timeout=1.0, deadline=0.2, lookup=lookup, progress=reports, every=0.05)
         cpu = time.process_time() - cpu
     finally:
         lookup.release.set()
@@ -269,7 +269,7 @@ def test_a_hung_name_is_reported_at_the_interval_not_at_every_backoff():
     reports = Reports()
     lookup = FakeLookup(hang={"hung.job"})
     try:
-        dns.resolve(["hung.job"], timeout=0.1, deadline=1.5, lookup=lookup, progress=reports, every=0.6)
+        dns_resolve.resolve(["hung.job"], timeout=0.1, deadline=1.5, lookup=lookup, progress=reports, every=0.6)
     finally:
         lookup.release.set()
     elapsed = [call[1] for call in reports.calls]
@@ -280,7 +280,7 @@ def test_a_hung_name_is_reported_at_the_interval_not_at_every_backoff():
 @pytest.mark.parametrize("names, deadline", [(["localhost"], 2), (["x.invalid"], 0)])
 def test_no_progress_when_nothing_is_waited_for(names, deadline):
     reports = Reports()
-    dns.resolve(names, timeout=1, deadline=deadline, progress=reports, every=0.1)
+    dns_resolve.resolve(names, timeout=1, deadline=deadline, progress=reports, every=0.1)
     assert reports.calls == []
 
 

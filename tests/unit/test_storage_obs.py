@@ -19,7 +19,7 @@ import pytest
 from ma_runtime import spec
 from ma_runtime.storage.base import AccessDenied, NotFound, ObjectInfo, StorageError, TransientError
 from ma_runtime.storage.obs import ObsStore
-from ma_runtime.storage.obs import store as obs_module
+from ma_runtime.storage.obs import wire as obs_wire
 from ma_runtime.storage.obs.client import signing_region, uses_path_style
 from tests.storage_env import ACCESS_KEY, SECRET_KEY
 
@@ -205,15 +205,15 @@ def test_body_is_copied_in_bounded_chunks_through_one_buffer(tmp_path):
             return taken
 
     store = make_store(fake_env("http://127.0.0.1:9"), tmp_path)  # nothing is sent
-    stream = Stream(5 * obs_module.CHUNK + 3)
+    stream = Stream(5 * obs_wire.CHUNK + 3)
     sink = tmp_path / "sink"
     fd = os.open(sink, os.O_RDWR | os.O_CREAT)
     try:
-        assert store._copy_body(stream, 5 * obs_module.CHUNK + 3, fd, 7, "obs://b/k") == 5 * obs_module.CHUNK + 3
+        assert store._copy_body(stream, 5 * obs_wire.CHUNK + 3, fd, 7, "obs://b/k") == 5 * obs_wire.CHUNK + 3
     finally:
         os.close(fd)
-    assert max(stream.asked) <= obs_module.CHUNK and len(stream.buffers) == 1
-    assert sink.stat().st_size == 7 + 5 * obs_module.CHUNK + 3
+    assert max(stream.asked) <= obs_wire.CHUNK and len(stream.buffers) == 1
+    assert sink.stat().st_size == 7 + 5 * obs_wire.CHUNK + 3
 
 
 # --- writing ---------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import AccessDenied, TransientError
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.stores import open_store
-from ma_runtime.sync import control, engine, targets, tree, units
+from ma_runtime.sync import control, engine, reading, targets, tree, units, upload_cycle, writers
 from ma_runtime.sync.engine import ChannelSync, Target
 from ma_runtime.sync.manifest import Manifest, Record
 from tests.conftest import _JOB_VARIABLES, alive
@@ -41,7 +41,7 @@ from tests.recording import Log, Wrapper
 
 MiB = 1 << 20
 MARKERS = ("latest_checkpointed_iteration.txt", "*.done")
-LARGE = engine.SMALL_LIMIT + MiB  # goes as a multipart upload, whatever SMALL_LIMIT becomes
+LARGE = reading.SMALL_LIMIT + MiB  # goes as a multipart upload, whatever SMALL_LIMIT becomes
 PAST_NS = 1_000_000_000 * 1_000_000_000  # 2001-09-09: far from any mtime a write gives now
 WAIT_SECONDS = 30.0  # a guard against a hang, never an expectation of speed
 
@@ -153,7 +153,7 @@ class Channel:
         """A new ChannelSync on the same state, as a restarted uploader makes."""
         return ChannelSync(self.target, self.store, self.options, self.markers, self.log, self.state)
 
-    def cycle(self, **kwargs) -> engine.Result:
+    def cycle(self, **kwargs) -> upload_cycle.Result:
         return self.sync.cycle(**kwargs)
 
     def uploaded(self):
@@ -433,7 +433,7 @@ def test_keep_listed_forgets_entries_whose_object_is_missing_or_replaced(tmp_pat
 @pytest.fixture
 def writers_unknown(monkeypatch):
     """Who writes what cannot be told (a /proc with hidepid): the sync falls back to two looks that agree."""
-    monkeypatch.setattr(engine.writers, "open_for_writing", lambda roots, inodes: None)
+    monkeypatch.setattr(writers, "open_for_writing", lambda roots, inodes: None)
 
 
 def test_a_new_file_closed_by_its_writer_goes_up_at_its_first_look(tmp_path):
@@ -1336,7 +1336,7 @@ def test_the_first_logs_of_a_final_sync_get_a_third_of_the_time_left_and_the_out
 
         def cycle(self, final, deadline, only=None, stopped_at=None):
             self.deadlines.append((only is not None, deadline - time.monotonic()))
-            return engine.Result()
+            return upload_cycle.Result()
 
     logs, outputs = Seen(True), Seen(False)
     uploads = uploader.Uploads.__new__(uploader.Uploads)

@@ -13,12 +13,12 @@ import pytest
 
 from ma_runtime.storage.base import AccessDenied, ObjectRefused, TransientError
 from ma_runtime.storage.local import LocalStore
-from ma_runtime.sync import engine, tree, units
+from ma_runtime.sync import reading, tree, units
 from ma_runtime.sync.units import Units
 from tests.recording import Log
 from tests.unit.test_sync import Channel, MiB, Recording, random_bytes, write
 
-LARGE = engine.SMALL_LIMIT + MiB
+LARGE = reading.SMALL_LIMIT + MiB
 
 
 class Refusing(Recording):

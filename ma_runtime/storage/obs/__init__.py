@@ -70,11 +70,12 @@ Settings (spec.py) and the decisions made from them:
 - a signed URL is a credential for 15 minutes: no message quotes one (signed.py).
 
 The SDK has two failure styles: connection problems raise, HTTP errors come back
-as `resp.status` / `resp.errorCode`. `ObsStore._call` is the one place both go
-through, and failures.py the one mapping.
+as `resp.status` / `resp.errorCode`. `ObsWire._call` and `ObsWire._request` are the
+places they go through, and failures.py the one mapping.
 
 The parts: client.py (the SDK client as the settings make it, the credentials), store.py (ObsStore: the
-requests and the write confirmations), failures.py (the failure mapping), listing.py (listing answers parsed).
+operations and the confirmation of a completion), wire.py (ObsWire: one request, its failure mapped and masked,
+its body read, a PUT confirmed), failures.py (the failure mapping), listing.py (listing answers parsed).
 """
 
 from ma_runtime.storage.obs.store import ObsStore

@@ -1,5 +1,10 @@
 """ObsStore: the ObjectStore contract over the SDK and signed.py's requests, every failure mapped by failures.py,
-every write confirmed (obs/__init__.py)."""
+every write confirmed (obs/__init__.py).
+
+This module holds the operations (list, head, read a range, put, the multipart upload and the check of a
+completion whose answer was lost, delete, list uploads) and the listing pages; sending one request and reading
+its answer is wire.py's `ObsWire`, which ObsStore stands on.
+"""
 
 import base64
 import hashlib
@@ -7,7 +12,7 @@ import os
 import re
 import stat
 import threading
-from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import IO, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
@@ -15,7 +20,6 @@ from obs.const import MIME_TYPES
 
 from ma_runtime.storage import signed
 from ma_runtime.storage.base import (
-    FileChanged,
     NotFound,
     ObjectChanged,
     ObjectInfo,
@@ -25,7 +29,6 @@ from ma_runtime.storage.base import (
     check_part_bounds,
     confirmed,
 )
-from ma_runtime.storage.obs import failures
 from ma_runtime.storage.obs.client import (
     CREDENTIAL_SOURCE,
     TIMEOUT_SECONDS,
@@ -40,28 +43,19 @@ from ma_runtime.storage.obs.client import (
 )
 from ma_runtime.storage.obs.failures import UploadGone
 from ma_runtime.storage.obs.listing import Listing, UploadListing, parse_listing, parse_uploads, unquote_etag
+from ma_runtime.storage.obs.wire import ObsWire, object_url
 from ma_runtime.util.redact import Masker
 
-CHUNK = 1 << 20  # bytes read from a body and written to the file at a time
 PAGE_SIZE = 1000  # keys (or multipart uploads) per listing request, the server's maximum
-
-
-# Answer headers saying the object is encrypted with a KMS or customer key: its ETag is then not its MD5.
-KEY_ENCRYPTION_HEADERS = ("x-amz-server-side-encryption-customer-algorithm",
-                          "x-obs-server-side-encryption-customer-algorithm")
-KMS_ENCRYPTION_HEADERS = ("x-amz-server-side-encryption", "x-obs-server-side-encryption")
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}\Z")
 _MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]{32}-[0-9]+\Z")
 
 
-class ObsStore:
+class ObsStore(ObsWire):
     def __init__(self, client: ObsClient, endpoint: str, masker: Masker, credential_source: str = CREDENTIAL_SOURCE,
                  presigner: Optional[signed.V4Presigner] = None, timeout: float = TIMEOUT_SECONDS):
-        self._client = client
-        self._requests = signed.SignedRequests(client, timeout, presigner)
+        super().__init__(client, signed.SignedRequests(client, timeout, presigner), masker, credential_source)
         self._endpoint = endpoint
-        self._masker = masker
-        self._credential_source = credential_source
         # upload id -> part number -> size, for the ObjectInfo of complete_multipart (the engine uses threads).
         self._part_sizes: Dict[str, Dict[int, int]] = {}
         self._lock = threading.Lock()
@@ -272,61 +266,6 @@ class ObsStore:
             self._part_sizes.pop(upload_id, None)
         return found
 
-    def _call(self, action: str, bucket: str, key: str, method: Callable[..., Any], *args, **kwargs) -> Any:
-        """Runs one SDK request; raises the mapped StorageError for a raised exception or a status >= 300."""
-        try:
-            resp = method(*args, **kwargs)
-        except Exception as exc:
-            raise self._failure_of_exception(exc, action, bucket, key) from exc
-        if resp.status >= 300:
-            raise self._failure_of_status(int(resp.status), resp.errorCode, resp.errorMessage, action, bucket, key)
-        return resp
-
-    def _request(self, action: str, bucket: str, key: str, method: str = "GET",
-                 query: Optional[Mapping[str, Optional[str]]] = None, headers: Optional[Dict[str, str]] = None,
-                 body: signed.Body = None, listing: bool = False, path: Optional[str] = None,
-                 missing_ok: bool = False) -> Any:
-        """Sends a signed request (signed.py); returns a 2xx response, else raises the mapped StorageError.
-        `missing_ok`: a 404 for the key (not for the bucket) returns None. `path`: the file a body comes from."""
-        try:
-            response = self._requests.send(method, bucket, None if listing else key, query, headers, body)
-        except signed.BodyCutShort as exc:
-            raise FileChanged(f"{action} {object_url(bucket, key)}: {path} ended after {exc.sent} of the {exc.size} "
-                              "bytes to send: it changed while it was being uploaded") from None
-        except Exception as exc:
-            raise self._failure_of_exception(exc, action, bucket, key) from exc
-        if response.status < 300:
-            return response
-        try:
-            code, message = signed.error_of(response)
-        finally:
-            self._requests.release(response)
-        if missing_ok and response.status == 404 and code != "NoSuchBucket":
-            return None
-        raise self._failure_of_status(response.status, code, message, action, bucket, key, one_object=not listing)
-
-    def _drain(self, response: Any, action: str, bucket: str, key: str) -> bytes:
-        """The body of a 2xx answer, read to its end (the connection is then kept for the next request)."""
-        try:
-            return response.read()
-        except Exception as exc:  # cut short (IncompleteRead), reset, timeout
-            raise self._failure_of_exception(exc, action, bucket, key) from exc
-        finally:
-            self._requests.release(response)
-
-    def _confirmed_put(self, response: Any, action: str, bucket: str, key: str, size: int,
-                       md5_hex: Optional[str] = None) -> ObjectInfo:
-        """The object a PUT's 2xx answer confirms (see obs/__init__.py); TransientError otherwise."""
-        where = f"{action} {object_url(bucket, key)}"
-        etag = unquote_etag(response.getheader("ETag"))
-        if _encrypted_with_a_key(response.getheader):
-            md5_hex = None
-        error = signed.error_document(self._drain(response, action, bucket, key))
-        if error:
-            raise TransientError(self._masked(f"{where}: HTTP {response.status} with an error document ({error}): "
-                                              "not stored"))
-        return confirmed(where, ObjectInfo(key, size, etag), md5_hex=md5_hex)
-
     def _list_page(self, bucket: str, prefix: str, marker: Optional[str]) -> "Listing":
         query = {"max-keys": str(PAGE_SIZE), "encoding-type": "url"}
         if prefix:
@@ -359,21 +298,6 @@ class ObsStore:
         except ValueError as exc:  # what a body cut short in transit looks like
             raise TransientError(f"{action} {object_url(bucket, prefix)}: unreadable answer ({exc})") from exc
 
-    def _failure_of_exception(self, exc: BaseException, action: str, bucket: str, key: str) -> StorageError:
-        return failures.of_exception(exc, f"{action} {object_url(bucket, key)}", self._masked)
-
-    def _failure_of_status(self, status: int, code: Optional[str], message: Optional[str], action: str, bucket: str,
-                           key: str, one_object: bool = True) -> StorageError:
-        return failures.of_status(status, code, message, f"{action} {object_url(bucket, key)}", bucket,
-                                  self._credential_source, self._masked, one_object)
-
-    def _body_of(self, resp: Any, action: str, bucket: str, key: str) -> Any:
-        # The SDK logs and swallows a parse error of a 2xx answer, leaving the body None. That is
-        # what a body cut short in transit looks like, so it is worth another try.
-        if resp.body is None:
-            raise TransientError(f"{action} {object_url(bucket, key)}: unreadable answer (HTTP {resp.status})")
-        return resp.body
-
     @staticmethod
     def _next_marker(page: "Listing", marker: Optional[str], bucket: str, prefix: str) -> str:
         # S3 sends NextMarker only with a delimiter; without one the last key is the marker.
@@ -395,29 +319,6 @@ class ObsStore:
                                "'truncated' but gave no next marker")
         return following
 
-    def _copy_body(self, response: Any, length: int, fd: int, offset: int, url: str) -> int:
-        """Reads the body into this thread's buffer and writes it at `offset` of `fd`, CHUNK at a time."""
-        buffer = self._requests.buffer(CHUNK)
-        done = 0
-        while done < length:
-            try:
-                count = response.readinto(buffer[:min(CHUNK, length - done)])
-            except Exception as exc:  # IncompleteRead, a reset, a timeout
-                raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes "
-                                     f"({type(exc).__name__}: {one_line(exc)})") from exc
-            if not count:
-                raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes")
-            _pwrite_all(fd, buffer[:count], offset + done)
-            done += count
-        return done
-
-    def _masked(self, message: str) -> str:
-        return signed.without_signatures(self._masker.text(message))
-
-
-def object_url(bucket: str, key: str) -> str:
-    return f"obs://{bucket}/{key}"
-
 
 def multipart_etag(part_etags: Iterable[str]) -> Optional[str]:
     """The ETag S3 and OBS give an object completed from parts with these ETags (in part order), when each is an
@@ -427,13 +328,6 @@ def multipart_etag(part_etags: Iterable[str]) -> Optional[str]:
         return None
     digests = b"".join(bytes.fromhex(etag) for etag in etags)
     return f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(etags)}"
-
-
-def _encrypted_with_a_key(header: Callable[[str], Optional[str]]) -> bool:
-    """True when a PUT's answer says the object is encrypted with a KMS or customer-provided key."""
-    if any(header(name) for name in KEY_ENCRYPTION_HEADERS):
-        return True
-    return any("kms" in (header(name) or "").lower() for name in KMS_ENCRYPTION_HEADERS)
 
 
 def _require_key(action: str, bucket: str, key: str) -> None:
@@ -463,9 +357,3 @@ def _open_regular(path: str, action: str, bucket: str, key: str) -> IO[bytes]:
     return os.fdopen(fd, "rb", buffering=0)
 
 
-def _pwrite_all(fd: int, data: bytes, position: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, position)
-        view = view[written:]
-        position += written
