@@ -102,7 +102,8 @@ def test_an_unknown_launcher_is_refused_by_name():
 def test_collecting_the_launchers_settings_at_start_up_imports_nothing_heavy():
     # spec imports every launcher module for its settings (issue 25: declared in the launcher's module); a
     # launcher module must stay cheap to import: no YAML, no process table, no SDK, no framework, no sshd.
-    heavy = ("yaml", "psutil", "requests", "obs", "torch", "mindspore", "ma_runtime.sshd", "ma_runtime.storage.obs")
+    heavy = ("yaml", "psutil", "requests", "obs", "torch", "mindspore", "ma_runtime.launch.sshd",
+             "ma_runtime.launch.sshd_files", "ma_runtime.launch.sshd_key", "ma_runtime.storage.obs")
     script = ("import sys, ma_runtime.spec; "
               "print(*sorted(m for m in sys.modules if m.startswith('ma_runtime.launch.') or m.split('.')[0] in "
               f"{heavy!r} or m in {heavy!r}))")
