@@ -18,7 +18,7 @@ KILL), and a SIGTERM to the runtime ends it with the run (the stage thread's sto
 running (an sshd) are the job's services from then on (`children.adopt_services`): not the command's, stopped
 when the run ends.
 
-The package, in the stage's order: `stage` (`prepare`: the steps in turn, the debug copy), `pip`, `cann`,
+The package, in the stage's order: `stage` (`run_hooks`: the steps in turn, the debug copy), `pip`, `cann`,
 `pre_start`; beneath them `running` (running one step as a worker would, sourcing a file between two dumps, the
 records of what was done in this pod) and `env` (the environment type, the env-file format, the job's python).
 """
