@@ -50,9 +50,9 @@ BACKOFF_CAP = 60.0
 # The runtime's own "bad configuration" is never worth a retry, whatever the setting says.
 ALWAYS_FINAL = (int(ExitCode.BAD_CONFIGURATION),)
 _RECORD_LIMIT = 64 * 1024
-# MA_PROC_START_CNT's documented range (spec.py): a recorded attempt past it is not one this runtime made.
+# MA_PROC_START_CNT's documented range (spec/table.py): a recorded attempt past it is not one this runtime made.
 MAX_ATTEMPT = 1_000_000
-MAX_TASK_INDEX = 99_999  # VC_TASK_INDEX's (spec.py)
+MAX_TASK_INDEX = 99_999  # VC_TASK_INDEX's (spec/table.py)
 # The pod records this process owns: lock path -> the descriptor holding its lock, for the whole run.
 _owned: Dict[str, int] = {}
 

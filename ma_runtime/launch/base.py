@@ -212,7 +212,7 @@ class Launcher(abc.ABC):
     # where the launcher replaces it (torchrun exits 1 from its signal handler, msrun 0 from its SIGINT handler),
     # and the job's code after a stop is then 128+N.
     OWN_CODE_AFTER_STOP = True
-    # The names of the workers its plans hold (WorkerPlan.name), which supervise/ranks.py and supervise/stacks.py
+    # The names of the workers its plans hold (WorkerPlan.name), which supervise/ranks.py and supervise/stacks/
     # know a worker's tree by: "command" for a launch that runs the command as given.
     WORKERS = re.compile(r"command\Z")
     # The variables its ranks' environment names their rank by, asked in this order (supervise/ranks.py labels

@@ -1,7 +1,7 @@
 """The launchers by MA_RUN_METHOD name: one module each in this package, whose `LAUNCHER` implements
 launch/base.py's `Launcher`.
 
-spec.py reads METHODS at start-up to validate MA_RUN_METHOD, so this module
+spec/table.py reads METHODS at start-up to validate MA_RUN_METHOD, so this module
 imports nothing heavy: a launcher module is imported by name only when the plan,
 or a list of every launcher's traits (supervise/ranks.py), asks for it. Adding a
 launcher is its module plus its name here (`-` in the name is `_` in the module's).

@@ -21,7 +21,7 @@ limits (docs/platform.md, D13) are warnings, not errors.
 Every URL was validated when the job was loaded (storage/url.py): no last part
 that is empty, `.` or `..`, so the code directory is one name strictly inside
 MA_JOB_DIR. A failure is one line naming what failed, the URL once, and the
-store's endpoint (transfer.py adds it); the local side (a folder that cannot be
+store's endpoint (storage/transfer/ adds it); the local side (a folder that cannot be
 made, a record that cannot be written) fails as storage too, with the path.
 """
 

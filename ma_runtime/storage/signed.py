@@ -171,7 +171,7 @@ class SignedRequests:
         self._client = client
         self._v4 = v4
         self._timeout = timeout
-        self._ssl_context = getattr(client, "context", None)  # the SDK's, with our trust fixes (obs.py)
+        self._ssl_context = getattr(client, "context", None)  # the SDK's, with our trust fixes (storage/obs/client.py)
         self._local = threading.local()
 
     def open(self, bucket: str, key: Optional[str], query: Query = None,

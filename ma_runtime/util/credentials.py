@@ -1,5 +1,5 @@
 """The object store's credential variables, declared once: the OBS SDK's own names (esdk-obs-python's ENV
-provider). They are read from the environment by storage/obs.py alone, never through the JobSpec (it is printed
+provider). They are read from the environment by storage/obs/client.py alone, never through the JobSpec (it is printed
 by `--print-config` and logged), and redact.py treats the names as names, never as values to mask."""
 
 ACCESS_KEY_VARIABLE = "OBS_ACCESS_KEY_ID"

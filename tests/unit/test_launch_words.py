@@ -1,7 +1,7 @@
 """Every path the runtime puts into a launcher's words survives an MA_HOME with spaces, quotes, `$`, `;`, `%`, a
 backslash and a newline (issue 24 item 7): each launcher's `ma-runtime plan --json`, black box, with such a home;
 the words checked where a consumer splits them again (the shell of a one-word command, Open MPI's plm_rsh_args),
-and the config files sshd and ssh read (sshd.py) for the real sshd and ssh.
+and the config files sshd and ssh read (launch/sshd_files.py) for the real sshd and ssh.
 
 Each path must reach its consumer whole: in argv, env, logs and files, a word that holds part of the home holds
 all of it; a word that is split again (plm_rsh_args) holds no character the splitter would take apart.
@@ -25,7 +25,7 @@ from tests.recording import Log
 from tests.unit.test_mpirun import _SBIN_PATH, login, needs_sshd, trust
 from tests.unit.test_plan import TWO_BY_EIGHT, VJ, template_two
 
-# What a shell, Open MPI and OpenSSH's config files each take apart (see sshd.py).
+# What a shell, Open MPI and OpenSSH's config files each take apart (see launch/sshd_files.py).
 HOSTILE = "my home $(touch pwned);\"q'\\b %d ${HOME}\nline two"
 HOSTS = f"{VJ}-worker-0.{VJ},{VJ}-worker-1.{VJ}"
 TWO_NODES = {"MA_NUM_HOSTS": "2", "MA_VJ_NAME": VJ, "VC_WORKER_HOSTS": HOSTS}

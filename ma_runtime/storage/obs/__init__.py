@@ -1,6 +1,6 @@
 """The OBS backend: Huawei's esdk-obs-python `ObsClient` behind the ObjectStore contract.
 
-Settings (spec.py) and the decisions made from them:
+Settings (spec/) and the decisions made from them:
 - endpoint: `MA_S3_ENDPOINT` / `storage.endpoint`; without a scheme, https:// or
   http:// per `S3_USE_HTTPS`.
 - credentials: `OBS_ACCESS_KEY_ID`, `OBS_SECRET_ACCESS_KEY` and the optional
