@@ -10,8 +10,8 @@ The environment is read here, through the rows (`value_from`), and nowhere else 
 why. The reads that stay elsewhere are of four kinds: the process environment a program is found on or a child
 inherits (PATH, HOME, PYTHONPATH, TMPDIR); variables between the runtime's own processes (MA_RUNTIME_LINEAGE,
 MA_RUNTIME_STACKS_*); secrets, which never enter the JobSpec because it is printed (the OBS credentials:
-credentials.py); and what identifies this pod rather than configuring the job (the pod name and IP the
-rank table is matched on: ranktable/node.py).
+util/credentials.py); and what identifies this pod rather than configuring the job (the pod name and IP the
+rank table is matched on: stages/ranktable/node.py).
 """
 
 import dataclasses
