@@ -2,7 +2,7 @@
 
 The layers, bottom to top (a top-level module or sub-package of ma_runtime names its layer):
   util, errors, process (and the package's own __init__)  what everything uses
-  storage < sync < setting < launch < spec < supervise < stages
+  storage (and coordination) < sync < setting < launch < spec < supervise < stages
   the run itself: cli, commands, bootstrap, run_context, attempt, coordinator, verdict, ending, termination,
   __main__, local
 Every import counts, the ones inside a function and under TYPE_CHECKING too: a lazy import still makes the
@@ -20,7 +20,7 @@ import ma_runtime
 PACKAGE = Path(ma_runtime.__file__).resolve().parent
 LAYERS = (
     ("util", "errors", "process", ""),  # "": the package itself (`import ma_runtime`, its __version__)
-    ("storage",),
+    ("storage", "coordination"),
     ("sync",),
     ("setting",),
     ("launch",),
