@@ -59,6 +59,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         for note in spec.notes:
             log.info(note)
         context.start_guard()  # before any thread: the guard is a fork of this process
+        context.job = coordinator.for_job(spec, log)  # worker-0's store is up before its stages: others report
         first = attempt_module.first(spec, context.run_id, log)
         prepared = context.wait_for(functools.partial(flow.before_the_command, spec, first, command, context),
                                     "before the command started")
@@ -81,11 +82,13 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: RunCon
     backoff), or give up (82)."""
     log = logs.get_logger()
     policy = attempt_module.Policy.of(spec)
-    job = coordinator.for_job(spec)
+    job = context.job
     history: List[verdict_module.Verdict] = []
     when = "before the command started"
     hangs = flow.hang_config(spec)
     while True:
+        # Every node ready before any starts (a replacement pod takes the job's attempt number here).
+        attempt = context.wait_for(functools.partial(job.barrier, attempt), when)
         # In the stage thread: the resume checkpoint is a walk of the output folders, and msrun's plan may wait
         # for worker-0's name to resolve.
         current = context.wait_for(functools.partial(flow.for_attempt, spec, prepared, attempt), when)
@@ -93,14 +96,23 @@ def _attempts(spec: spec_module.JobSpec, command: Sequence[str], context: RunCon
         context.attempt = attempt
         context.record_attempt()
         context.start_uploader()
-        outcome = attempt_processes.run_attempt(spec, plan, attempt, context, current.environ, current.staged.env,
-                                                hangs)
+        watch = job.watch(attempt, plan, context.signals.wake)
+        try:
+            outcome = attempt_processes.run_attempt(spec, plan, attempt, context, current.environ,
+                                                    current.staged.env, hangs, watch)
+        finally:
+            if watch is not None:
+                watch.close()
         verdict = ending.attempt_verdict(outcome, plan, attempt)
         history.append(verdict)
         decision = policy.decide(attempt, verdict, history, outcome.stop_requested_at is not None)
-        decision = job.agree(attempt, verdict, decision)
+        agreed = context.wait_for(functools.partial(job.agree, attempt, verdict, decision),
+                                  f"after attempt {attempt.number}")
+        verdict, decision = agreed.verdict, agreed.decision
+        history[-1] = verdict
         if not decision.restart:
-            return ending.finish(context, verdict, decision, history, attempt, outcome)
+            job.leave(attempt, stopped=outcome.stop_requested_at is not None)
+            return ending.finish(context, verdict, decision, history, attempt, outcome, agreed.fields())
         log.info("restarting command", attempt=attempt.number + 1, reason=verdict.reason,
                  **{"hang_restarts_left" if verdict.state is State.HUNG else "restarts_left": decision.left},
                  backoff_s=decision.delay)

@@ -135,10 +135,13 @@ def fail(context, failure: RuntimeFailure) -> int:
 
 
 def finish(context, verdict: verdict_module.Verdict, decision, history: List[verdict_module.Verdict], attempt,
-           outcome: Outcome) -> int:
+           outcome: Outcome, job: Optional[Dict[str, Any]] = None) -> int:
     """The job's exit code and termination message, from the last attempt's verdict and the decision; then the
-    final sync, which can turn a success into 80."""
+    final sync, which can turn a success into 80. `job`: the termination message's `origin` and `secondary` of a
+    multi-node job whose attempt failed somewhere (coordinator.Agreement.fields)."""
     fields = job_fields(verdict, decision, history, attempt)
+    if fields["exit_code"] != 0 and job:
+        fields.update(job)
     if fields["exit_code"] != 0:
         write_termination(context, **fields)
     return sync_at_end(context, fields, outcome.stop_requested_at, outcome.workers_stopped_at)

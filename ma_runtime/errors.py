@@ -23,6 +23,7 @@ class ExitCode(enum.IntEnum):
     HANG_DETECTED = 83
     DEVICE_NOT_RELEASED = 84
     HOOK_FAILED = 85
+    STOPPED_FOR_JOB = 86  # another node failed, hung or was lost first (coordinator.py)
     COMMAND_NOT_EXECUTABLE = 126
     COMMAND_NOT_FOUND = 127
 

@@ -52,6 +52,7 @@ class RunContext:
         self.attempt: Optional[attempt_module.Attempt] = None  # the last one started
         self.uploader = None  # sync.control.Uploader, once the command is about to start
         self.synced = False  # the final sync ran
+        self.job: Any = None  # coordinator.Alone or Together, once the spec is known
         self.k8s_path = termination.kubernetes_path(os.environ)
         # Taken before the command runs, so that its own message can be told apart.
         self.k8s_before = termination.snapshot(self.k8s_path)
@@ -117,6 +118,11 @@ class RunContext:
             self.uploader = control.Uploader(self.spec, logs.get_logger())
             self.uploader.start()
 
+    def stage(self, name: str) -> None:
+        """The stage this node is in, for the other nodes (a barrier that times out names it)."""
+        if self.job is not None:
+            self.job.stage(name)
+
     def record_attempt(self, finished: bool = False) -> None:
         """The pod's attempt record (attempt.py), for the next runtime in this pod."""
         try:
@@ -134,6 +140,8 @@ class RunContext:
             self.record_attempt(finished=True)  # the next runtime in this pod starts afresh
         if self.guard is not None:
             self.guard.stand_down()
+        if self.job is not None:
+            self.job.close()
         if self.task_log is not None:
             logs.remove_sink(self.task_log)
             self.task_log.close()

@@ -69,6 +69,8 @@ def build(
     command_exit_code: Optional[int] = None,
     unsynced: Optional[List[str]] = None,
     hook_exit_code: Optional[int] = None,
+    origin: Optional[Dict[str, Any]] = None,
+    secondary: Optional[List[Dict[str, Any]]] = None,
     masker=None,
 ) -> Dict[str, Any]:
     message = {
@@ -94,6 +96,10 @@ def build(
         message["attempts"] = list(attempts)  # one entry per start of the command, oldest first
     if unsynced:
         message["unsynced"] = list(unsynced)  # `<channel>: <path>` the final sync did not upload
+    if origin:
+        message["origin"] = dict(origin)  # a multi-node job: the first failure of the attempt by the store's clock
+    if secondary:
+        message["secondary"] = list(secondary)  # the failures after it, never the cause
     return masker.data(message) if masker else message
 
 

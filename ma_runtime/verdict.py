@@ -59,6 +59,9 @@ def of(outcome: Outcome, plan=None, root_cause: Optional[RootCauseOf] = None, ow
     worker = outcome.worker
     if outcome.state is State.HUNG:
         return _hung(outcome)
+    if outcome.state is State.ELSEWHERE:
+        return elsewhere(outcome.elsewhere or "", outcome.returncode, tail(worker) if worker is not None else (),
+                         outcome.duration)
     rank, returncode, exit_code = _failed_rank(outcome, plan, root_cause)
     killed = outcome.forced
     if outcome.stop_signal is not None:
@@ -88,6 +91,14 @@ def _hung(outcome: Outcome) -> Verdict:
     return Verdict(State.HUNG, int(ExitCode.HANG_DETECTED), outcome.returncode, hang.rank, None, hang.describe(),
                    category, hint, tail(outcome.worker) if outcome.worker is not None else (), outcome.duration,
                    hang.progressed)
+
+
+def elsewhere(reason: str, returncode: int = 0, lines: Sequence[str] = (), duration: float = 0.0) -> Verdict:
+    """86: this node's workers were stopped, or its command's failure came second, because another node of the job
+    failed, hung or was lost first (`reason` names that node: coordinator.py)."""
+    return Verdict(State.ELSEWHERE, int(ExitCode.STOPPED_FOR_JOB), returncode, None, None, reason,
+                   Category.PLATFORM.value, "the node named first is where to look: its log and its termination "
+                   "message say why; this node only followed the job", tuple(lines), duration)
 
 
 def gave_up(last: Verdict, why: str) -> Verdict:

@@ -24,6 +24,7 @@ from ma_runtime.setting import (
     names,
     number,
     path,
+    port,
     regex,
     seconds,
     switch,
@@ -37,6 +38,9 @@ LOG_FORMATS = ("logfmt", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+# auto, off, or etcd://host:port[,host:port...] (no user or password: the store holds no secret, nor its URL)
+_COORDINATOR = re.compile(r"^(auto|off|etcd://[A-Za-z0-9.\[\]:-]+(,[A-Za-z0-9.\[\]:-]+)*)$")
+COORDINATOR_PORT = 29655  # clear of the platform's 18888, 36666/36667, torchrun's 29500 and its c10d 29400
 
 # Path defaults are None here: they derive from MA_HOME once it is resolved.
 SETTINGS: Tuple[Setting, ...] = (
@@ -205,6 +209,15 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("peer_gone_seconds", "MA_RUNTIME_PEER_GONE_SECONDS", seconds, "how long every TensorFlow worker's "
             "port must stay closed before a ps takes it for the job's end (a worker restarted in place closes it "
             "meanwhile)", 60.0, cli=False),
+    Setting("coordinator", "MA_RUNTIME_COORDINATOR", matching(_COORDINATOR, "auto, off or etcd://host:port[,...]"),
+            "the job across nodes: auto (multi-node jobs meet before each attempt and restart together; worker-0 "
+            "hosts the store), off (each node alone), or etcd://host:port[,host:port...] (an etcd holds it)", "auto"),
+    Setting("coordinator_port", "MA_RUNTIME_COORDINATOR_PORT", port, "the port worker-0's runtime hosts the job's "
+            "coordination store on (auto)", COORDINATOR_PORT),
+    Setting("barrier_seconds", "MA_RUNTIME_BARRIER_SECONDS", number(1, WEEK_SECONDS, "seconds"), "how long the "
+            "nodes wait for each other before each attempt, then exit 81 naming the missing ones", 600.0),
+    Setting("node_lost_seconds", "MA_RUNTIME_NODE_LOST_SECONDS", number(2, 3600, "seconds"), "a node whose runtime "
+            "is silent this long is lost: the others stop their workers (and restart, or exit 86)", 30.0),
     Setting(
         "skip_image_detect",
         "MA_SKIP_IMAGE_DETECT",

@@ -39,20 +39,25 @@ def before_the_command(spec: spec_module.JobSpec, first, command: Sequence[str],
     from ma_runtime.stages.hooks import stage as hooks
 
     log = logs.get_logger()
+    context.stage("preflight")
     _preflight(spec, log)
+    context.stage("stage-in")
     staged = stage_in(spec, os.environ, log, first.number)  # a later attempt reuses what was staged
     # The hooks see what the command will see (MA_LOG_DIR, VC_TASK_INDEX, the staged channels resolved); a later
     # runtime in this pod (first.number > 1) reuses what the first one installed and its hook exported.
     seen_by_hooks = {**attempt_processes.worker_env(spec, context.run_id, first.number, os.environ), **staged.env}
+    context.stage("hooks")
     changes = hooks.run_hooks(spec, seen_by_hooks, command, context.task_log, log, reuse=first.number > 1,
                             exclude=(context.guard.pid,) if context.guard is not None else ())
     rank_table = None
     if spec.waits_for_rank_table:  # imported only then: most jobs have no rank table (start-up budget)
         from ma_runtime.stages import ranktable
 
+        context.stage("rank table")
         rank_table = ranktable.wait_and_convert(spec, os.environ, log)
         staged.env.update(rank_table.env)
     environ = changes.apply(os.environ)
+    context.stage("services")
     services_env = attempt_processes.worker_env(spec, context.run_id, first.number, environ)
     _start_services(spec, services_env, log, context, stopped)
     return Prepared(staged, environ, rank_table)

@@ -58,10 +58,11 @@ class _HangWatch:
 
 
 def run_attempt(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, context, environ: Mapping[str, str],
-                staged_env: Mapping[str, str], hangs=None) -> Outcome:
+                staged_env: Mapping[str, str], hangs=None, job=None) -> Outcome:
     """One attempt: spawn every planned worker and supervise them until all have exited and nothing is left.
     `context` is the run's (bootstrap's): its run id, signal queue, guard, task log and uploader. `environ` is
-    what the stages made of the runtime's environment, `staged_env` stage-in's variables (they win)."""
+    what the stages made of the runtime's environment, `staged_env` stage-in's variables (they win). `job`: the
+    job across nodes for the supervisor (coordinator.Watch), None when this node is alone."""
     log = logs.get_logger()
     launcher = registry.launcher(plan.method)
     follower = None
@@ -91,7 +92,8 @@ def run_attempt(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, cont
         return Supervisor(workers if len(workers) > 1 else workers[0], context.signals, spec.stop_grace_seconds,
                           log, guard=context.guard, forwards=launcher.forwards_to,
                           hangs=watch.monitor if watch is not None else None,
-                          on_stop=context.uploader.stopping if context.uploader is not None else None).run()
+                          on_stop=context.uploader.stopping if context.uploader is not None else None,
+                          job=job).run()
     finally:
         if watch is not None:
             watch.close()

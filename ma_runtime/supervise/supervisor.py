@@ -55,6 +55,7 @@ class State(enum.Enum):
     FAILED = "failed"  # a worker exited non-zero or died of a signal, nobody having asked it to stop
     STOPPED = "stopped"  # a stop was requested (SIGTERM/SIGINT) and the workers ended
     HUNG = "hung"  # the hang monitor (supervise/hang.py) found them stuck, and they were stopped
+    ELSEWHERE = "stopped for the job"  # another node of the job failed, hung or was lost first (coordinator.py)
 
 
 # Which processes a launcher signals itself when it gets a stop (launch/<method>.forwards_to): given
@@ -88,6 +89,8 @@ class Outcome:
     # another worker's failure; None when they all ended by themselves. The final sync keeps a file written
     # since from replacing the store's whole version.
     workers_stopped_at: Optional[float] = None
+    # Why the job stopped this node's workers (another node failed, hung or was lost first), when it did.
+    elsewhere: Optional[str] = None
 
     @property
     def state(self) -> State:
@@ -95,6 +98,8 @@ class Outcome:
             return State.STOPPED
         if self.hang is not None:
             return State.HUNG
+        if self.elsewhere is not None:
+            return State.ELSEWHERE
         return State.SUCCEEDED if self.exit_code == 0 else State.FAILED
 
 
@@ -106,6 +111,7 @@ class _Stop:
     requested_at: Optional[float] = None
     failed: Optional[Worker] = None  # a stop started by a worker's failure
     hang: Any = None  # a stop started by the hang monitor (a hang.Hang)
+    elsewhere: Optional[str] = None  # a stop started by the job: another node's failure, hang or loss (why)
     stopped: int = 0
     deadline: Optional[float] = None
     forced: bool = False
@@ -122,7 +128,8 @@ class _Stop:
 
     @property
     def under_way(self) -> bool:
-        return self.signal is not None or self.failed is not None or self.hang is not None
+        return (self.signal is not None or self.failed is not None or self.hang is not None
+                or self.elsewhere is not None)
 
 
 class Supervisor:
@@ -137,6 +144,7 @@ class Supervisor:
         forwards: Forwards = _forwards_nothing,
         hangs=None,  # a hang.Monitor for this attempt, or None: hang detection off
         on_stop: Optional[Callable[[float], None]] = None,  # told when the workers are first asked to stop
+        job=None,  # the job across nodes (coordinator.Watch): told of a failure or hang here, says one elsewhere
     ):
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:
@@ -150,6 +158,7 @@ class Supervisor:
         self.forwards = forwards
         self.hangs = hangs
         self.on_stop = on_stop
+        self.job = job
         self._me = os.getpid()
         self._next_record = 0.0
         # pid -> start time of every process a stop signal reached (the pid alone could be reused).
@@ -172,6 +181,7 @@ class Supervisor:
                 for worker in self._reap():
                     self._on_exit(stop, worker)
                 self._check_hang(stop)
+                self._check_job(stop)
                 self._escalate(stop)
         finally:
             if self.hangs is not None:
@@ -219,6 +229,8 @@ class Supervisor:
         if worker.returncode == 0 or stop.under_way:
             return
         stop.failed = worker
+        if self.job is not None:  # the other nodes stop theirs now, not after this node's grace
+            self.job.failed_here(worker)
         others = self._live()
         stop.stopped = len(others)
         if not others:
@@ -242,9 +254,26 @@ class Supervisor:
             return
         self.log.error("job suspected hung", evidence=hang.evidence, device_fault=hang.device_fault,
                        **({"suspects": ", ".join(hang.suspects)} if hang.suspects else {}), **self._pids(self._live()))
+        if self.job is not None:
+            self.job.hung_here(hang)
         self.hangs.show_where(hang, self._ranks_by_worker(self._job(ranks.Finder())))
         stop.hang = hang
         self.log.warning("stopping the hung attempt", grace_seconds=self.grace_seconds)
+        stop.begin(self.on_stop)
+        self._stop_all(signal.SIGTERM)
+        stop.deadline = time.monotonic() + self.grace_seconds
+
+    def _check_job(self, stop: _Stop) -> None:
+        """Another node failed, hung or was lost first: stop this node's workers as in a failure. When it hung,
+        this node's ranks' stacks first: the job's stacks, not only the finder's."""
+        why = self.job.elsewhere() if self.job is not None and not stop.under_way else None
+        if why is None or not self._live():
+            return
+        self.log.warning("stopping the workers for the job", reason=why, grace_seconds=self.grace_seconds)
+        hang = self.job.hang_elsewhere()  # a hang.Hang naming the node that found it, or None
+        if self.hangs is not None and hang is not None:
+            self.hangs.show_where(hang, self._ranks_by_worker(self._job(ranks.Finder())))
+        stop.elsewhere = why
         stop.begin(self.on_stop)
         self._stop_all(signal.SIGTERM)
         stop.deadline = time.monotonic() + self.grace_seconds
@@ -293,6 +322,7 @@ class Supervisor:
             stop_requested_at=stop.requested_at,
             hang=stop.hang,
             workers_stopped_at=stop.began_at,
+            elsewhere=stop.elsewhere,
         )
 
     def _pids(self, workers: Optional[Sequence[Worker]] = None) -> dict:

@@ -182,9 +182,17 @@ def test_hang_restarts_off_end_the_job_at_the_first_hang_and_a_stop_request_wins
 @pytest.mark.parametrize("decision", [attempt_module.Decision(True, delay=2.0, left=1),
                                       attempt_module.Decision(False, "gave up after 3 attempts", gave_up=True),
                                       attempt_module.Decision(False)])
-def test_a_node_alone_takes_its_own_decision_as_the_jobs(decision):
-    """The seam for a job-wide decision (coordinator.py): a node that coordinates with no other keeps its own."""
-    from ma_runtime import coordinator
+@pytest.mark.parametrize("settings", [{}, {"MA_NUM_HOSTS": "4", "MA_RUNTIME_COORDINATOR": "off"}])
+def test_a_node_alone_takes_its_own_decision_as_the_jobs(decision, settings):
+    """The seam for a job-wide decision (coordinator.py): one node, or MA_RUNTIME_COORDINATOR=off, keeps its own
+    decision and verdict, and starts no store (no thread, no port)."""
+    import threading
 
-    job = coordinator.for_job(None)
-    assert job.agree(Attempt(2, "run", 1), None, decision) is decision
+    from ma_runtime import coordinator
+    from ma_runtime import spec as spec_module
+
+    before = threading.active_count()
+    job = coordinator.for_job(spec_module.load({}, settings, None), None)
+    assert isinstance(job, coordinator.Alone) and threading.active_count() == before
+    agreed = job.agree(Attempt(2, "run", 1), "its verdict", decision, threading.Event())
+    assert agreed.decision is decision and agreed.verdict == "its verdict" and agreed.fields() == {}

@@ -16,11 +16,13 @@ from ma_runtime.coordination.store import Store, StoreUnavailable, checked_key, 
 
 
 class EmbeddedStoreClient(Store):
-    """A client of the store at `host`:`port`: connects at once (within `reconnect_seconds`, else
-    StoreUnavailable), and again after a loss. `reply_seconds` bounds the wait for one reply (a `wait` gets its
-    own timeout on top)."""
+    """A client of the store at `host`:`port`: connects at once (within `connect_seconds`, by default
+    `reconnect_seconds`, else StoreUnavailable), and again after a loss (within `reconnect_seconds`).
+    `reply_seconds` bounds the wait for one reply (a `wait` gets its own timeout on top). The first connection may
+    be given longer: a node's runtime can start long before worker-0's, whose store is not up yet."""
 
-    def __init__(self, host: str, port: int, reconnect_seconds: float = 30.0, reply_seconds: float = 30.0):
+    def __init__(self, host: str, port: int, reconnect_seconds: float = 30.0, reply_seconds: float = 30.0,
+                 connect_seconds: Optional[float] = None):
         self.host, self.port = host, port
         self.address = address_text(host, port)
         self._reconnect_seconds = reconnect_seconds
@@ -31,7 +33,8 @@ class EmbeddedStoreClient(Store):
         self._sock: Optional[socket.socket] = None
         self._closed = False
         with self._lock:
-            self._retrying(lambda: self._connection(), "connect")
+            self._retrying(lambda: self._connection(), "connect",
+                           reconnect_seconds if connect_seconds is None else connect_seconds)
 
     # The operations (store.Store).
 
@@ -92,8 +95,10 @@ class EmbeddedStoreClient(Store):
             raise ValueError(f"coordination store {self.address} refused {request['op']}: {reply['e']}")
         return reply.get("r")
 
-    def _retrying(self, action: Callable[[], Any], what: str) -> Any:
-        """`action()`, done again on a new connection after each loss until `reconnect_seconds` from the first."""
+    def _retrying(self, action: Callable[[], Any], what: str, seconds: Optional[float] = None) -> Any:
+        """`action()`, done again on a new connection after each loss until `seconds` (`reconnect_seconds`) from
+        the first."""
+        seconds = self._reconnect_seconds if seconds is None else seconds
         deadline, pause = None, 0.05
         while True:
             try:
@@ -106,9 +111,9 @@ class EmbeddedStoreClient(Store):
                 if self._closed:
                     raise StoreUnavailable(self.address, "the client was closed") from None
                 now = time.monotonic()
-                deadline = now + self._reconnect_seconds if deadline is None else deadline
+                deadline = now + seconds if deadline is None else deadline
                 if now >= deadline:
-                    raise StoreUnavailable(self.address, f"{what}: {_why(exc)} (for {self._reconnect_seconds:g} s)") \
+                    raise StoreUnavailable(self.address, f"{what}: {_why(exc)} (for {seconds:g} s)") \
                         from None
                 time.sleep(min(pause, deadline - now))
                 pause = min(pause * 2, 1.0)

@@ -1,0 +1,242 @@
+"""The job as one (issue 26): nodes that meet before each attempt, restart together, and name the node that failed
+first. Three real `ma-run`s, each a node in its own network namespace (ma_runtime/local/nodes.py); worker-0's
+runtime hosts the coordination store, the others reach it by its DNS name as on the platform.
+
+No timed assertion: the bounds below only keep a broken run from hanging the suite; what is asserted is order
+(which node's command ran when, read from the files the commands write) and the exit codes and messages.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+from ma_runtime.local import nodes as local_nodes
+from ma_runtime.local.nodes import NamespaceError, Nodes
+from tests.conftest import MA_RUN
+
+JOB = f"ma-job-one{os.getpid()}"
+_MISSING = local_nodes.missing()
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)} for network and UTS "
+                                                       "namespaces (ma_runtime/local/nodes.py)")
+GUARD = 120.0  # seconds: only against a hang
+
+# Each node's command: writes `<dir>/<node>.<attempt>` with the time it started and what it saw, then does what
+# FAIL says for its node and attempt ("3": exit 3; "sleep": sleep until stopped, writing when SIGTERM came).
+COMMAND = r"""
+import os, signal, sys, time
+node, attempt = os.environ["VC_TASK_INDEX"], os.environ["MA_PROC_START_CNT"]
+out = os.path.join(os.environ["OUT"], f"{node}.{attempt}")
+with open(out, "w") as f:
+    f.write(f"started {time.time()}\n")
+def stopped(signum, _frame):
+    with open(out, "a") as f:
+        f.write(f"sigterm {time.time()}\n")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stopped)
+what = dict(item.split("=") for item in os.environ.get("FAIL", "").split(",") if item).get(f"{node}.{attempt}")
+if what and what.isdigit():
+    time.sleep(0.5)
+    with open(out, "a") as f:
+        f.write(f"failing {time.time()}\n")
+    sys.exit(int(what))
+time.sleep(float(os.environ.get("WORK", "3")) if attempt == "1" else 1)  # attempt 1 long enough to be stopped
+print("done", node, attempt, flush=True)
+"""
+
+
+class Job:
+    """N nodes each running `ma-run python -c COMMAND`, their output and termination messages in files."""
+
+    def __init__(self, tmp_path: Path, count: int):
+        self.tmp_path = tmp_path
+        self.nodes = Nodes(count, job=JOB, prefix="ma-one")
+        self.out = tmp_path / "out"
+        self.out.mkdir()
+        self.processes: List[Optional[subprocess.Popen]] = [None] * count
+
+    def env(self, job_env: Dict[str, str], node: int, **extra) -> Dict[str, str]:
+        home = self.tmp_path / f"home-{node}"
+        return {**job_env, **self.nodes.environment(node), "MA_HOME": str(home),
+                "MA_RUNTIME_TERMINATION_LOG": str(home / "termination-log"), "OUT": str(self.out),
+                "MA_RUNTIME_STOP_GRACE_SECONDS": "5", "MA_RUNTIME_PREFLIGHT": "off",
+                "MA_RUNTIME_NODE_LOST_SECONDS": "5", "MA_RUNTIME_BARRIER_SECONDS": "60",
+                **{name: str(value) for name, value in extra.items()}}
+
+    def start(self, node: int, env: Dict[str, str], command=None) -> subprocess.Popen:
+        out = self.tmp_path / f"node-{node}.out"
+        command = command or [sys.executable, "-c", COMMAND]
+        process = self.nodes.start(node, [MA_RUN, *command], env, stdout=out, stderr=out.with_suffix(".err"))
+        self.processes[node] = process
+        return process
+
+    def wait(self, timeout: float = GUARD) -> List[Optional[int]]:
+        deadline = time.monotonic() + timeout
+        while any(p is not None and p.poll() is None for p in self.processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [p.poll() if p is not None else None for p in self.processes]
+
+    def termination(self, node: int) -> dict:
+        """Node NODE's termination message (the copy in its log directory)."""
+        found = sorted((self.tmp_path / f"home-{node}" / "modelarts" / "log").glob("*-termination.json"))
+        return json.loads(found[0].read_text()) if found else {}
+
+    def ran(self, node: int, attempt: int) -> Dict[str, float]:
+        """What node NODE's command of attempt ATTEMPT wrote: {started, failing, sigterm: time}."""
+        path = self.out / f"{node}.{attempt}"
+        if not path.exists():
+            return {}
+        return {word: float(value) for word, value in (line.split() for line in path.read_text().splitlines())}
+
+    def stderr(self, node: int) -> str:
+        return (self.tmp_path / f"node-{node}.err").read_text(errors="replace")
+
+    def report(self) -> str:
+        parts = []
+        for node, process in enumerate(self.processes):
+            if process is None:
+                continue
+            err = (self.tmp_path / f"node-{node}.err").read_text(errors="replace")[-3000:]
+            parts.append(f"--- node {node}: rc={process.poll()}\n{err}")
+        parts.append("--- out: " + ", ".join(sorted(os.listdir(self.out))))
+        return "\n".join(parts)
+
+
+@pytest.fixture
+def job3(request, tmp_path):
+    job = Job(tmp_path, 3)
+    try:
+        job.nodes.create()
+    except NamespaceError as exc:
+        pytest.fail(f"could not set up the namespaces: {exc}")
+    request.addfinalizer(job.nodes.close)
+    return job
+
+
+def test_a_failure_on_one_node_restarts_every_node_with_the_same_attempt(job_env, job3):
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, FAIL="1.1=3", WORK=30, MA_RUNTIME_MAX_RESTARTS=2))
+    codes = job3.wait()
+    assert codes == [0, 0, 0], job3.report()
+    failed_at = job3.ran(1, 1)["failing"]
+    for node in range(3):
+        assert job3.ran(node, 2), f"node {node} did not run attempt 2\n{job3.report()}"
+        assert not job3.ran(node, 3)
+    for node in (0, 2):  # stopped by the job, soon after node 1's failure (the bound is only against a hang)
+        first = job3.ran(node, 1)
+        assert "sigterm" in first, job3.report()
+        assert first["sigterm"] - failed_at < 30, job3.report()
+        # No node starts attempt 2 before every node's attempt 1 ended: the barrier.
+    ends = [job3.ran(node, 1).get("sigterm") or job3.ran(node, 1).get("failing") for node in range(3)]
+    assert min(job3.ran(node, 2)["started"] for node in range(3)) > max(ends), job3.report()
+    assert all("every node joined" in job3.stderr(node) for node in range(3))
+
+
+def test_restarts_off_the_failing_node_keeps_its_code_and_the_others_exit_86_naming_it(job_env, job3):
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, FAIL="1.1=3", WORK=60))
+    codes = job3.wait()
+    assert codes == [86, 3, 86], job3.report()
+    origins = [job3.termination(node).get("origin") for node in range(3)]
+    assert origins[0] == origins[1] == origins[2], origins
+    origin = origins[0]
+    assert (origin["task_index"], origin["exit_code"], origin["attempt"], origin["kind"]) == (1, 3, 1, "failed")
+    assert origin["host"] == job3.nodes.hosts[1]
+    for node in (0, 2):
+        message = job3.termination(node)
+        assert message["exit_code"] == 86 and message["category"] == "platform"
+        assert message["reason"].startswith(f"{job3.nodes.hosts[1]} (task 1)"), message["reason"]
+        assert "failed first: the command exited with code 3" in message["reason"]
+        assert "another node failed first" in job3.stderr(node)
+    assert job3.termination(1)["exit_code"] == 3
+
+
+def test_a_node_that_starts_late_holds_every_node_at_the_barrier(job_env, job3):
+    for node in (0, 1):
+        job3.start(node, job3.env(job_env, node, WORK=1))
+    time.sleep(5)
+    assert not os.listdir(job3.out), "a command started before every node joined"
+    job3.start(2, job3.env(job_env, 2, WORK=1))
+    assert job3.wait() == [0, 0, 0], job3.report()
+    assert all(job3.ran(node, 1) for node in range(3))
+
+
+def test_a_node_that_never_joins_ends_the_others_with_81_naming_it(job_env, job3):
+    for node in (0, 1):
+        job3.start(node, job3.env(job_env, node, WORK=1, MA_RUNTIME_BARRIER_SECONDS=6))
+    codes = job3.wait()
+    assert codes[:2] == [81, 81], job3.report()
+    assert not os.listdir(job3.out)
+    for node in (0, 1):
+        message = job3.termination(node)
+        assert message["stage"] == "barrier"
+        assert f"{job3.nodes.hosts[2]} (task 2): never joined" in message["reason"], message["reason"]
+        assert "MA_RUNTIME_BARRIER_SECONDS=6" in message["reason"]
+
+
+def test_a_node_whose_runtime_is_killed_is_lost_and_the_others_exit_86_naming_it(job_env, job3):
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, WORK=120))
+    deadline = time.monotonic() + GUARD
+    while not all(job3.ran(node, 1) for node in range(3)):
+        assert time.monotonic() < deadline, job3.report()
+        time.sleep(0.1)
+    runtime_2 = _runtime_pid(job3.processes[2].pid)
+    os.kill(runtime_2, signal.SIGKILL)
+    codes = job3.wait()
+    assert codes[0] == codes[1] == 86, job3.report()
+    for node in (0, 1):
+        message = job3.termination(node)
+        assert message["origin"]["task_index"] == 2 and message["origin"]["kind"] == "lost", message
+        assert f"{job3.nodes.hosts[2]} (task 2) was lost" in message["reason"]
+
+
+def test_worker_0s_runtime_killed_ends_the_others_with_86_coordinator_lost(job_env, job3):
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, WORK=120))
+    deadline = time.monotonic() + GUARD
+    while not all(job3.ran(node, 1) for node in range(3)):
+        assert time.monotonic() < deadline, job3.report()
+        time.sleep(0.1)
+    os.kill(_runtime_pid(job3.processes[0].pid), signal.SIGKILL)
+    codes = job3.wait()
+    assert codes[1] == codes[2] == 86, job3.report()
+    for node in (1, 2):
+        assert f"coordinator on {job3.nodes.hosts[0]} lost" in job3.termination(node)["reason"]
+
+
+def test_a_stop_is_not_a_failure_every_node_exits_143_without_origin(job_env, job3):
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, WORK=120, MA_RUNTIME_MAX_RESTARTS=2))
+    deadline = time.monotonic() + GUARD
+    while not all(job3.ran(node, 1) for node in range(3)):
+        assert time.monotonic() < deadline, job3.report()
+        time.sleep(0.1)
+    for node in range(3):
+        os.kill(_runtime_pid(job3.processes[node].pid), signal.SIGTERM)
+    assert job3.wait() == [143, 143, 143], job3.report()
+    assert not any(job3.ran(node, 2) for node in range(3))
+    assert not any("origin" in job3.termination(node) for node in range(3))
+
+
+def _runtime_pid(launcher_pid: int) -> int:
+    """The `ma-run` process under `ip netns exec ... unshare ... sh -c 'hostname; exec ma-run'`: the launcher's
+    descendant whose command line names ma-run."""
+    import psutil
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher_pid).children(recursive=True) + [psutil.Process(launcher_pid)]:
+            try:
+                if any("ma-run" in part for part in child.cmdline()[:2]):
+                    return child.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.1)
+    raise AssertionError("no ma-run process found")
