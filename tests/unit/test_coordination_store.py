@@ -550,6 +550,17 @@ def test_etcd_something_else_on_the_port_is_named_as_such(etcd_server):
         thread.join(GUARD)
 
 
+def test_etcd_a_wait_that_ends_leaves_no_watch_socket_and_no_thread(etcd_url):
+    from ma_runtime.coordination.etcd import EtcdStore
+
+    with EtcdStore(etcd_url, f"/ma-runtime/test-{uuid.uuid4().hex}/") as store:
+        store.get("warm")  # the pooled connection of the client's own requests exists before counting
+        sockets, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+        for index in range(5):
+            assert store.wait([f"never/{index}"], 0.05) is False
+        assert len(os.listdir("/proc/self/fd")) == sockets and threading.active_count() == threads
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:2379", "etcd://", "etcd://host", "etcd://host:port",
                                  "etcd://host:99999", "etcd://a:1,,b:2", "etcd://:2379"])
 def test_etcd_a_url_that_is_not_etcd_host_port_is_one_config_error(url):
