@@ -6,7 +6,7 @@
 #
 # As root with apt-get it changes the machine, for every user of it: Debian packages (tini, dumb-init; podman,
 # buildah, debootstrap, uidmap, runc, fuse-overlayfs, slirp4netns, containernetworking-plugins, catatonit;
-# openmpi-bin, openssh-server, openssh-client), a podman drop-in /etc/containers/containers.conf.d/
+# openmpi-bin, openssh-server, openssh-client; etcd-server), a podman drop-in /etc/containers/containers.conf.d/
 # ma-runtime-tests.conf, and the podman image local/debian:bookworm. Without root these are skipped and the tests
 # that need them skip, saying what is missing (in strict mode, MA_RUNTIME_TESTS_STRICT=1, those skips fail).
 set -uo pipefail
@@ -136,6 +136,15 @@ mpi_tools() {
   apt_install openmpi-bin openssh-server openssh-client
 }
 
+# The coordination store's conformance suite runs against a real etcd too (tests/unit/test_coordination_store.py
+# starts /usr/bin/etcd on loopback). Debian's etcd-server is enabled as a service where systemd runs; the tests
+# start their own, on free ports.
+etcd_server() {
+  [ -x /usr/bin/etcd ] && return 0
+  is_root_with_apt || { warn "etcd missing and not root: the etcd backend's tests will skip"; return 0; }
+  apt_install etcd-server
+}
+
 # --- Python environments -------------------------------------------------------------------------------------------
 
 setup() {  # setup PYTHON VENV: the package and its test tools
@@ -194,6 +203,7 @@ fi
 run_setup "system: PID-1 tools" pid1_tools
 run_setup "system: image test tools" image_test_tools
 run_setup "system: Open MPI, OpenSSH" mpi_tools
+run_setup "system: etcd" etcd_server
 
 run_setup "setup: .venv" setup python3 .venv
 if [ -x .venv/bin/python ] && .venv/bin/python -c 'import ma_runtime, pytest' 2>/dev/null; then

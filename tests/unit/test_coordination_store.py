@@ -1,16 +1,19 @@
 """The coordination store (issue 26): one conformance suite written against the interface (store.Store), run
-against every backend (`backend` below: today the embedded store; an etcd is one more param), then what only the
-embedded server has (its allow hook, its frames). Real sockets, threads and processes; no timed assertions: a
-bound only guards against a hang."""
+against every backend (`backend` below: the embedded store, and a real etcd started on loopback), then what only
+the embedded server has (its allow hook, its frames) and what only the etcd client has (its URL, its endpoints).
+Real sockets, threads and processes; no timed assertions: a bound only guards against a hang."""
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,14 +21,25 @@ import pytest
 from ma_runtime.coordination import embedded
 from ma_runtime.coordination.embedded import EmbeddedStoreClient, EmbeddedStoreServer, FrameError, FrameReader
 from ma_runtime.coordination.store import Store, StoreUnavailable
+from ma_runtime.errors import ConfigError
 from tests.recording import Log
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARD = 30.0  # seconds: only against a hang
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"  # Debian's etcd-server
+ETCD_MISSING = "the etcd backend needs {what} (scripts/test.sh installs Debian's etcd-server and the etcd extra)"
+
+
+def child_environment():
+    """The environment of a client in another process: this tree first, then the import path of this one."""
+    path = [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 class EmbeddedBackend:
     """The store worker-0 hosts, on loopback."""
+
+    short_ttl = 0.2  # seconds: a time to live the store keeps to its resolution
 
     def __init__(self, **server_options):
         self.server = EmbeddedStoreServer("127.0.0.1", 0, **server_options).start()
@@ -50,12 +64,103 @@ class EmbeddedBackend:
         self.server.close()
 
 
-BACKENDS = {"embedded": EmbeddedBackend}
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EtcdServer:
+    """One real etcd on loopback for the session (free ports, a temporary data directory), started again after a
+    test stopped it. A short election timeout makes etcd's shortest lease 1 s instead of 2 s."""
+
+    def __init__(self):
+        self.process = None
+        self.directory = tempfile.mkdtemp(prefix="ma-runtime-etcd-")
+
+    def url(self) -> str:
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def _start(self) -> None:
+        self.client_port, peer_port = free_port(), free_port()
+        data = tempfile.mkdtemp(dir=self.directory)
+        client_url, peer_url = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{peer_port}"
+        with open(os.path.join(self.directory, "etcd.log"), "ab") as log:  # the child keeps its own copy
+            self.process = subprocess.Popen(
+                [ETCD, "--name", "test", "--data-dir", data, "--listen-client-urls", client_url,
+                 "--advertise-client-urls", client_url, "--listen-peer-urls", peer_url,
+                 "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"test={peer_url}",
+                 "--heartbeat-interval", "10", "--election-timeout", "100", "--logger", "zap", "--log-level", "error"],
+                stdout=subprocess.DEVNULL, stderr=log)
+        assert until(self._healthy), f"etcd did not start: {self.directory}/etcd.log"
+
+    def _healthy(self) -> bool:
+        assert self.process.poll() is None, f"etcd exited: {self.directory}/etcd.log"
+        try:
+            with socket.create_connection(("127.0.0.1", self.client_port), timeout=1) as sock:
+                sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                return b'"health":"true"' in sock.recv(4096)
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class EtcdBackend:
+    """A fresh job prefix in the session's etcd: each test sees only its own keys."""
+
+    short_ttl = 1.0  # seconds: etcd's leases count whole seconds
+
+    def __init__(self, server: EtcdServer):
+        from ma_runtime.coordination.etcd import EtcdStore
+
+        self.server, self.store_class = server, EtcdStore
+        self.url, self.prefix = server.url(), f"/ma-runtime/test-{uuid.uuid4().hex}/"
+        self.clients = []
+
+    def connect(self, reconnect_seconds: float = 5.0) -> Store:
+        client = self.store_class(self.url, self.prefix, reconnect_seconds=reconnect_seconds)
+        self.clients.append(client)
+        return client
+
+    def client_source(self) -> str:
+        return ("from ma_runtime.coordination.etcd import EtcdStore\n"
+                f"client = EtcdStore({self.url!r}, {self.prefix!r})\n")
+
+    def stop(self) -> None:
+        self.server.stop()  # the next test's backend starts it again
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip(ETCD_MISSING.format(what=f"{ETCD}"))
+    pytest.importorskip("etcd3gw", reason=ETCD_MISSING.format(what="the etcd3gw package"))
+    server = EtcdServer()
+    yield server
+    server.close()
+
+
+BACKENDS = {"embedded": lambda request: EmbeddedBackend(),
+            "etcd": lambda request: EtcdBackend(request.getfixturevalue("etcd_server"))}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request):
-    made = BACKENDS[request.param]()
+    made = BACKENDS[request.param](request)
     yield made
     made.close()
 
@@ -144,12 +249,13 @@ def test_a_key_with_a_time_to_live_disappears_from_get_keys_and_wait(store):
     assert store.compare_and_set("heartbeat/1", None, b"back") is True  # an expired key is an absent one
 
 
-def test_writing_again_refreshes_or_removes_the_time_to_live(store):
-    store.set("refreshed", b"1", ttl=0.2)
+def test_writing_again_refreshes_or_removes_the_time_to_live(backend, store):
+    store.set("refreshed", b"1", ttl=backend.short_ttl)
     store.set("refreshed", b"2", ttl=GUARD)  # the last write's ttl counts
-    store.set("permanent", b"1", ttl=0.2)
+    store.set("permanent", b"1", ttl=backend.short_ttl)
     store.set("permanent", b"2")
-    time.sleep(0.4)
+    store.set("control", b"1", ttl=backend.short_ttl)
+    assert until(lambda: store.get("control") is None)  # the short ttl has passed
     assert store.get("refreshed") == b"2" and store.get("permanent") == b"2"
 
 
@@ -221,7 +327,7 @@ def test_two_clients_in_separate_processes(backend, store):
         "client.add('joined', 1)\n"
         "assert client.wait(['go'], 30)\n"
         "client.set('child/won', b'%d' % client.compare_and_set('origin', None, b'child'))\n")
-    process = subprocess.Popen([sys.executable, "-c", child], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    process = subprocess.Popen([sys.executable, "-c", child], env=child_environment())
     try:
         assert store.wait(["joined"], GUARD)
         store.set("go", b"")
@@ -391,6 +497,99 @@ def test_something_else_on_the_port_is_named_as_such():
         with pytest.raises(StoreUnavailable, match="something other than the store's protocol"):
             EmbeddedStoreClient("127.0.0.1", port).get("k")
         thread.join(GUARD)
+
+
+# --------------------------------------------------------------------------- the etcd client only
+
+
+@pytest.fixture
+def etcd_url(etcd_server):
+    return etcd_server.url()
+
+
+def test_etcd_keys_live_under_the_job_prefix_so_jobs_share_one_etcd(etcd_url):
+    from ma_runtime.coordination.etcd import EtcdStore
+
+    with EtcdStore(etcd_url, "/ma-runtime/job-a") as job_a, EtcdStore(etcd_url, "/ma-runtime/job-b/") as job_b:
+        job_a.set("attempt/1/origin", b"a")
+        assert job_b.get("attempt/1/origin") is None and job_b.keys() == []
+        assert job_b.compare_and_set("attempt/1/origin", None, b"b") is True
+        assert job_a.keys() == ["attempt/1/origin"] and job_a.get("attempt/1/origin") == b"a"
+
+
+def test_etcd_a_dead_endpoint_is_passed_over_and_all_dead_is_one_line_naming_them(etcd_url):
+    from ma_runtime.coordination.etcd import EtcdStore
+
+    dead = free_port()
+    live = etcd_url[len("etcd://"):]
+    with EtcdStore(f"etcd://127.0.0.1:{dead},{live}", "/ma-runtime/failover/") as store:
+        assert store.add("count", 1) == 1 and store.get("count") == b"1"
+    other = free_port()
+    with pytest.raises(StoreUnavailable) as raised:
+        EtcdStore(f"etcd://127.0.0.1:{dead},[::1]:{other}", "/ma-runtime/failover/", reconnect_seconds=0.2)
+    message = str(raised.value)
+    assert "\n" not in message and f"127.0.0.1:{dead},[::1]:{other}" in message
+
+
+def test_etcd_something_else_on_the_port_is_named_as_such(etcd_server):
+    from ma_runtime.coordination.etcd import EtcdStore
+
+    with socket.create_server(("127.0.0.1", 0)) as impostor:
+        port = impostor.getsockname()[1]
+
+        def answer():
+            conn, _ = impostor.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        with pytest.raises(StoreUnavailable, match="something other than etcd's HTTP gateway"):
+            EtcdStore(f"etcd://127.0.0.1:{port}", "/ma-runtime/x/", reconnect_seconds=0.2)
+        thread.join(GUARD)
+
+
+def test_etcd_a_wait_that_ends_leaves_no_watch_socket_and_no_thread(etcd_url):
+    from ma_runtime.coordination.etcd import EtcdStore
+
+    with EtcdStore(etcd_url, f"/ma-runtime/test-{uuid.uuid4().hex}/") as store:
+        store.get("warm")  # the pooled connection of the client's own requests exists before counting
+        sockets, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+        for index in range(5):
+            assert store.wait([f"never/{index}"], 0.05) is False
+        assert len(os.listdir("/proc/self/fd")) == sockets and threading.active_count() == threads
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:2379", "etcd://", "etcd://host", "etcd://host:port",
+                                 "etcd://host:99999", "etcd://a:1,,b:2", "etcd://:2379"])
+def test_etcd_a_url_that_is_not_etcd_host_port_is_one_config_error(url):
+    from ma_runtime.coordination.etcd import parse_endpoints
+
+    with pytest.raises(ConfigError) as raised:
+        parse_endpoints(url)
+    assert "\n" not in str(raised.value) and "etcd://host:port" in raised.value.hint + str(raised.value)
+
+
+def test_etcd_endpoints_parse_with_ipv6_and_spaces():
+    from ma_runtime.coordination.etcd import parse_endpoints
+
+    assert parse_endpoints("etcd://10.0.0.5:2379, [fd00::1]:2379/") == [("10.0.0.5", 2379), ("fd00::1", 2379)]
+
+
+def test_etcd_without_etcd3gw_is_one_config_error_naming_the_extra(monkeypatch):
+    from ma_runtime.coordination.etcd import EtcdStore
+
+    monkeypatch.setitem(sys.modules, "etcd3gw", None)  # an import of it fails as when it is not installed
+    with pytest.raises(ConfigError, match="etcd3gw") as raised:
+        EtcdStore("etcd://127.0.0.1:2379", "/ma-runtime/job/")
+    assert raised.value.hint == "pip install 'ma-runtime[etcd]'"
+
+
+def test_the_etcd_module_imports_etcd3gw_only_when_used():
+    code = ("import sys\nimport ma_runtime.coordination.etcd\nassert 'etcd3gw' not in sys.modules\n"
+            "assert 'requests' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], env=child_environment(), check=True, timeout=GUARD)
 
 
 # --------------------------------------------------------------------------- the framing
