@@ -20,6 +20,7 @@ If the store itself is lost (worker-0's runtime gone), every other node ends wit
 
 import dataclasses
 import queue
+import resource
 import socket
 import threading
 import time
@@ -38,6 +39,7 @@ from ma_runtime.supervise.supervisor import State
 BEATS_PER_LOST = 5  # heartbeats within MA_RUNTIME_NODE_LOST_SECONDS: four may be late before the node is lost
 LOOK_SECONDS = 1.0  # worker-0 looks for lost nodes this often (at most) while an attempt runs or ends
 DNS_AGAIN_SECONDS = 5.0  # an unknown peer makes worker-0 resolve the job's names again, at most this often
+CONNECTIONS_PER_NODE = 3  # the beacon's, the main thread's, the attempt's watch
 
 
 class NodesMissing(RuntimeFailure):
@@ -117,6 +119,7 @@ def node_hosts(spec) -> List[str]:
 def _serve(spec, hosts: Sequence[str], log):
     from ma_runtime.coordination.embedded import EmbeddedStoreServer
 
+    _enough_descriptors(CONNECTIONS_PER_NODE * spec.num_hosts + 256, log)
     try:
         server = EmbeddedStoreServer("", spec.coordinator_port, allow=_JobPeers(hosts), log=log).start()
     except OSError as exc:
@@ -126,6 +129,23 @@ def _serve(spec, hosts: Sequence[str], log):
                                "every node", stage="coordinator") from None
     log.info("coordination store started", port=server.port, nodes=spec.num_hosts)
     return server
+
+
+def _enough_descriptors(needed: int, log) -> None:
+    """Worker-0's soft RLIMIT_NOFILE raised (up to the hard limit) to hold every node's connections: 1 024 is a
+    common soft limit, and a 1 000-node job opens 3 000. The command inherits the raised soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    except (OSError, ValueError) as exc:
+        raised = soft
+        log.warning("could not raise the open-file limit for the coordination store", error=str(exc))
+    if raised < needed:
+        log.warning("the open-file limit may be too low for every node's connections to the coordination store",
+                    limit=raised, needed=needed, hint="raise the container's nofile ulimit")
 
 
 def _embedded_connect(spec, worker_0: str) -> Callable[[float], Store]:
@@ -287,6 +307,8 @@ class Together:
             return Agreement(verdict, decision)
         number = attempt.number
         try:
+            if self.lost_store is not None:  # the watch or the beacon found it gone: no second wait for it
+                raise self.lost_store
             state = self._main_state()
             if verdict.state in (State.FAILED, State.HUNG):
                 state.report(self._failure_of(verdict, number))
@@ -347,9 +369,9 @@ class Together:
         """This node will not start another attempt. Worker-0 keeps the store up until every node has read the
         outcome (left, or lost), unless the job is being stopped."""
         try:
-            state = self._main_state() if self._main is not None or self.server is not None else None
-            if state is None:
-                return
+            if self.lost_store is not None or (self._main is None and self.server is None):
+                return  # nothing to tell, or nobody to tell it to
+            state = self._main_state()
             state.leave(attempt.number)
             if self.server is None or stopped:
                 return
@@ -432,6 +454,7 @@ class Watch:
                         state.report(together.lost_node(index, self.attempt))
         except StoreUnavailable as exc:
             if not self._stopped.is_set():
+                together.lost_store = exc
                 lost = together._store_lost(exc)
                 self._tell(Failure(LOST, 0, together.hosts[0], self.attempt, lost.reason))
         except ValueError as exc:

@@ -240,3 +240,91 @@ def _runtime_pid(launcher_pid: int) -> int:
                 continue
         time.sleep(0.1)
     raise AssertionError("no ma-run process found")
+
+
+def _wait_running(job: Job, nodes, attempt: int = 1) -> None:
+    deadline = time.monotonic() + GUARD
+    while not all(job.ran(node, attempt) for node in nodes):
+        assert time.monotonic() < deadline, job.report()
+        time.sleep(0.1)
+
+
+# Nodes 0 and 2 print a progress line every 0.3 s; node 1 prints one and then blocks, idle, in a read.
+PROGRESSING = r"""
+import os, sys, time
+node, attempt = os.environ["VC_TASK_INDEX"], os.environ["MA_PROC_START_CNT"]
+with open(os.path.join(os.environ["OUT"], f"{node}.{attempt}"), "w") as f:
+    f.write(f"started {time.time()}\n")
+print("step 0", flush=True)
+if node == "1":
+    os.read(os.pipe()[0], 1)  # blocks: no IO, no CPU, no progress
+for step in range(1, 1000):
+    time.sleep(0.3)
+    print(f"step {step}", flush=True)
+"""
+
+
+def test_a_hang_on_one_node_stops_every_node_with_stacks_everywhere_83_there_86_elsewhere(job_env, job3):
+    hang = dict(MA_RUNTIME_HANG_DETECT="on", MA_RUNTIME_HANG_DETECT_SECONDS=5, MA_RUNTIME_HANG_STARTUP_SECONDS=5,
+                MA_RUNTIME_PROGRESS_PATTERN=r"^step \d+$", MA_RUNTIME_HANG_RESTARTS=0)
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, **hang), [sys.executable, "-c", PROGRESSING])
+    codes = job3.wait()
+    assert codes == [86, 83, 86], job3.report()
+    for node in range(3):
+        stem = f"modelarts-job-{JOB[len('ma-job-'):]}-worker-{node}"
+        stacks = job3.tmp_path / f"home-{node}" / "modelarts" / "log" / f"{stem}-stacks" / "attempt-1"
+        assert stacks.is_dir() and any(stacks.iterdir()), f"no stacks on node {node}\n{job3.report()}"
+        origin = job3.termination(node)["origin"]
+        assert (origin["task_index"], origin["kind"], origin["exit_code"]) == (1, "hung", 83), origin
+    assert "hung first: job suspected hung" in job3.termination(0)["reason"]
+
+
+def test_a_lost_node_with_restarts_left_is_waited_for_and_its_replacement_joins_the_same_attempt(job_env, job3):
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, WORK=120, MA_RUNTIME_MAX_RESTARTS=1))
+    _wait_running(job3, range(3))
+    os.kill(_runtime_pid(job3.processes[2].pid), signal.SIGKILL)
+    job3.processes[2].wait(30)
+    # The survivors stop their workers, then wait at the barrier of attempt 2 for a replacement.
+    deadline = time.monotonic() + GUARD
+    while not all("sigterm" in job3.ran(node, 1) for node in (0, 1)):
+        assert time.monotonic() < deadline, job3.report()
+        time.sleep(0.1)
+    assert not job3.ran(0, 2) and not job3.ran(1, 2)
+    # The rescheduled pod: a new runtime, its own count from the platform (1), a fresh home.
+    job3.start(2, job3.env(job_env, 2, WORK=120, MA_RUNTIME_MAX_RESTARTS=1, MA_SCHEDULE_CNT=2,
+                           MA_HOME=job3.tmp_path / "home-2b"))
+    assert job3.wait() == [0, 0, 0], job3.report()
+    assert all(job3.ran(node, 2) for node in range(3)), job3.report()
+
+
+def test_a_node_whose_link_is_cut_is_lost(job_env, job3):
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, WORK=120))
+    _wait_running(job3, range(3))
+    node = job3.nodes.nodes[1]
+    subprocess.run(["ip", "netns", "exec", node.namespace, "ip", "link", "set", "eth0", "down"], check=True)
+    codes = job3.wait()
+    assert codes[0] == codes[2] == 86, job3.report()
+    for index in (0, 2):
+        assert job3.termination(index)["origin"]["task_index"] == 1, job3.report()
+    assert codes[1] == 86 and "coordinator on" in job3.termination(1)["reason"], job3.report()
+
+
+def test_an_etcd_holds_the_job_when_the_coordinator_is_an_etcd_url(job_env, job3, tmp_path):
+    etcd = "/usr/bin/etcd"
+    if not os.access(etcd, os.X_OK):
+        pytest.skip("etcd is not installed (scripts/test.sh installs Debian's etcd-server)")
+    address = job3.nodes.addresses[0]
+    job3.nodes.start(0, [etcd, "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", f"http://{address}:2379",
+                         "--advertise-client-urls", f"http://{address}:2379",
+                         "--listen-peer-urls", f"http://{address}:2380"],
+                     stdout=tmp_path / "etcd.out", stderr=subprocess.STDOUT)
+    url = f"etcd://{address}:2379"
+    for node in range(3):
+        job3.start(node, job3.env(job_env, node, FAIL="1.1=3", WORK=60, MA_RUNTIME_COORDINATOR=url))
+    codes = job3.wait()
+    assert codes == [86, 3, 86], job3.report()
+    assert job3.termination(0)["origin"] == job3.termination(2)["origin"] == job3.termination(1)["origin"]
+    assert "coordination store started" not in job3.stderr(0)  # worker-0 hosts nothing
