@@ -57,7 +57,7 @@ from ma_runtime.storage.base import FileChanged, StorageError
 from ma_runtime.storage.transfer import EitherStop, Multipart, TransferOptions, name_digest, settle_uploads
 from ma_runtime.storage.transfer.hashing import new_md5
 from ma_runtime.storage.transfer.utils import object_url
-from ma_runtime.sync import reading
+from ma_runtime.sync import births, reading
 from ma_runtime.sync.manifest import Manifest, Record
 from ma_runtime.sync.readiness import Readiness
 from ma_runtime.sync.reading import SMALL_LIMIT, Later, Unreadable
@@ -170,7 +170,7 @@ class ChannelSync:
             except OSError:
                 continue
             if md5 == info.md5:
-                self.manifest.put(relative, Record(entry.identity, md5, info.etag))
+                self.manifest.put(relative, Record(entry.identity, md5, info.etag, births.born(entry.path, entry.ino)))
         self._recorded_markers = None
         self._save_manifest()
 
@@ -289,16 +289,16 @@ class ChannelSync:
         return self._put_large(relative, entry, stop)
 
     def _put_small(self, relative: str, entry: Entry, calls) -> Optional[int]:
-        data = reading.read(entry, self.target.is_log)
+        data, born = reading.read(entry, self.target.is_log)
         digest = new_md5()  # usedforsecurity=False: an integrity check, allowed on FIPS hosts
         digest.update(data)
         md5 = digest.hexdigest()
         record = self.manifest.get(relative)
         if record is not None and record.md5 == md5 and record.etag:
-            self._record(relative, Record(entry.identity, md5, record.etag))  # touched, not changed
+            self._record(relative, Record(entry.identity, md5, record.etag, born))  # touched, not changed
             return None
         info = calls(self.store.put_bytes, self.location.bucket, self.key_of(relative), data, md5)
-        self._record(relative, Record(entry.identity, md5, info.etag))
+        self._record(relative, Record(entry.identity, md5, info.etag, born))
         return len(data)
 
     def _put_large(self, relative: str, entry: Entry, stop: threading.Event) -> int:
@@ -313,13 +313,14 @@ class ChannelSync:
                                self.options, self.log, size=entry.size, stop=stop, quiet=True, source=source,
                                unchanged=lambda: reading.same(entry, os.fstat(fd), self.target.is_log))
             info = upload.run()
+            born = births.born_of_descriptor(fd, entry.ino)
         except FileChanged:
             raise Later() from None
         except PermissionError:
             raise Unreadable("permission denied") from None
         finally:
             os.close(fd)
-        self._record(relative, Record(entry.identity, None, info.etag))
+        self._record(relative, Record(entry.identity, None, info.etag, born))
         return entry.size
 
     def _record(self, relative: str, record: Record) -> None:

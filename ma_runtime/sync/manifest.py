@@ -26,6 +26,9 @@ class Record(NamedTuple):
     identity: Tuple[int, int, int]  # size, mtime_ns, inode, as read
     md5: Optional[str]
     etag: Optional[str]
+    # When the inode read was created (births.py), None when that cannot be told: an inode number the filesystem
+    # gave a new file after the uploaded one was freed is not that file rewritten in place.
+    born: Optional[int] = None
 
 
 class Manifest:
@@ -69,7 +72,8 @@ class Manifest:
         """Atomically; `force=False` only every SAVE_SECONDS. Raises OSError."""
         if not self.dirty or (not force and time.monotonic() - self._saved_at < SAVE_SECONDS):
             return
-        files = {relative: [*record.identity, record.md5, record.etag] for relative, record in self.files.items()}
+        files = {relative: [*record.identity, record.md5, record.etag, record.born]
+                 for relative, record in self.files.items()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, json.dumps({"version": VERSION, "url": self.url, "files": files},
                                                separators=(",", ":")))
@@ -92,16 +96,18 @@ def _valid(document: Any, url: str) -> Dict[str, Record]:
     for relative, entry in records.mapping(records.field(document, "files"), "`files`").items():
         if not _relative(relative):
             raise records.Invalid("`files`: a name that is not a relative path inside the channel's folder")
-        if type(entry) is not list or len(entry) != 5:
+        # Five fields as an earlier runtime wrote them (no birth: the careful rule for that file, readiness.py).
+        if type(entry) is not list or len(entry) not in (5, 6):
             raise records.Invalid(f"`files`: an entry is {records.described(entry)}, not [size, mtime_ns, inode, "
-                                  "md5, etag]")
-        size, mtime_ns, ino, md5, etag = entry
+                                  "md5, etag, born]")
+        size, mtime_ns, ino, md5, etag, born = (*entry, None) if len(entry) == 5 else entry
         if not (type(size) is int and 0 <= size <= records.INT_MAX and type(mtime_ns) is int
                 and records.INT_MIN <= mtime_ns <= records.INT_MAX and type(ino) is int and 0 <= ino <= records.INT_MAX
-                and (md5 is None or type(md5) is str) and (etag is None or type(etag) is str)):
+                and (md5 is None or type(md5) is str) and (etag is None or type(etag) is str)
+                and (born is None or (type(born) is int and records.INT_MIN <= born <= records.INT_MAX))):
             raise records.Invalid("`files`: an entry is not [size >= 0, mtime_ns, inode >= 0, md5 or null, "
-                                  "etag or null]")
-        result[relative] = Record((size, mtime_ns, ino), md5, etag)
+                                  "etag or null, born or null]")
+        result[relative] = Record((size, mtime_ns, ino), md5, etag, born)
     return result
 
 

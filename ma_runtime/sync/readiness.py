@@ -17,7 +17,7 @@ checkpoint rewritten in place when the stop came never replaces the good one in 
 import collections
 from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
-from ma_runtime.sync import writers
+from ma_runtime.sync import births, writers
 from ma_runtime.sync.manifest import Manifest
 from ma_runtime.sync.targets import Target
 from ma_runtime.sync.tree import Entry
@@ -69,8 +69,14 @@ class Readiness:
         return ready
 
     def _rewritten_in_place(self, relative: str, entry: Entry) -> bool:
+        """The inode uploaded, written again. The same number born at another time is a new file: ext4 gives a
+        freed number to the next file created, so a file renamed into place every step comes back with it
+        (births.py). When a birth cannot be told, the same number is taken as the same file: the careful rule."""
         record = self.manifest.get(relative)
-        return record is not None and record.identity[2] == entry.ino
+        if record is None or record.identity[2] != entry.ino:
+            return False
+        born = births.born(entry.path, entry.ino) if record.born is not None else None
+        return born is None or born == record.born
 
     def _closed(self, entries: Dict[str, Entry], relatives: List[str]) -> Set[str]:
         """Those of `relatives` no process holds open for writing (none, when that cannot be told)."""

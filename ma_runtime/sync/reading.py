@@ -9,8 +9,10 @@ once); the cycle (upload_cycle.py) decides what each means.
 
 import os
 import stat
+from typing import Optional, Tuple
 
 from ma_runtime.storage.transfer.hashing import md5_of
+from ma_runtime.sync import births
 from ma_runtime.sync.tree import Entry
 
 MiB = 1 << 20
@@ -26,14 +28,15 @@ class Unreadable(Exception):
     pass
 
 
-def read(entry: Entry, is_log: bool) -> bytes:
-    """The file's bytes as the scan saw it, or Later. O_NONBLOCK: a FIFO put there since never blocks."""
+def read(entry: Entry, is_log: bool) -> Tuple[bytes, Optional[int]]:
+    """The file's bytes as the scan saw it, and when its inode was created (births.py; None when that cannot be
+    told), or Later. O_NONBLOCK: a FIFO put there since never blocks."""
     fd = open_as_scanned(entry, is_log)
     try:
         data = _read_exactly(fd, entry.size)
         if len(data) < entry.size or not same(entry, os.fstat(fd), is_log):
             raise Later()
-        return data
+        return data, births.born_of_descriptor(fd, entry.ino)
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc)) from None
     finally:

@@ -361,7 +361,7 @@ def test_manifest_round_trip(tmp_path):
     path = tmp_path / "state" / "m.manifest.json"
     manifest = Manifest.load(path, "obs://b/out/", Log())
     manifest.put("a.txt", Record((1, 2, 3), "0" * 32, "etag-a"))
-    manifest.put("ck/big.bin", Record((10, 20, 30), None, "etag-big-2"))
+    manifest.put("ck/big.bin", Record((10, 20, 30), None, "etag-big-2", 1_795_775_605_208_373_052))
     manifest.save()
 
     loaded = Manifest.load(path, "obs://b/out/", Log())
@@ -371,12 +371,20 @@ def test_manifest_round_trip(tmp_path):
     assert os.listdir(path.parent) == [path.name]  # no temporary file left beside it
 
 
+def test_a_manifest_an_earlier_runtime_wrote_without_births_is_kept(tmp_path):
+    path = tmp_path / "m.manifest.json"
+    path.write_text('{"version":1,"url":"obs://b/out/","files":{"a.txt":[1,2,3,null,"etag-a"]}}')
+
+    assert Manifest.load(path, "obs://b/out/", Log()).files == {"a.txt": Record((1, 2, 3), None, "etag-a", None)}
+
+
 @pytest.mark.parametrize("content", [
     pytest.param(lambda good: good[: len(good) // 2], id="torn"),
     pytest.param(lambda good: good.replace(b"obs://b/out/", b"obs://b/other/"), id="another-channels-url"),
     pytest.param(lambda good: good.replace(b'"version":1', b'"version":99'), id="another-version"),
     pytest.param(lambda good: good.replace(b"[1,2,3,", b"[1,2,"), id="edited-entry"),
     pytest.param(lambda good: good.replace(b'"files":{', b'"files":{"x":7,'), id="entry-not-a-list"),
+    pytest.param(lambda good: good.replace(b'"etag-a",null]', b'"etag-a","x"]'), id="birth-not-a-number"),
     pytest.param(lambda good: b"[1, 2]", id="a-list"),
     pytest.param(lambda good: b"", id="empty"),
     pytest.param(lambda good: b"\xff\xfe not json", id="binary"),

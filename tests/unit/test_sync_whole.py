@@ -187,6 +187,26 @@ def test_a_closed_file_rewritten_in_place_over_its_object_waits_for_two_looks(tm
     assert channel.cycle().files == 1  # two looks agree
 
 
+def test_a_file_renamed_into_place_is_whole_at_its_first_look_when_it_reuses_the_uploaded_files_inode_number(
+        tmp_path):
+    """ext4 gives a freed inode's number to the next file it creates: Lightning's `last.ckpt`, renamed over every
+    step, comes back with the number of the version uploaded every second save. It is a new file (born after the
+    uploaded one), not one rewritten in place: closed, it goes up at its first look, or a checkpoint replaced
+    faster than the cycle would never reach the store while the job trains."""
+    channel = Channel(tmp_path)
+    path = write(channel.root / "last.ckpt", b"step 0")
+    channel.cycle()
+    uploaded = path.stat().st_ino
+    time.sleep(0.01)  # the next births fall in a later tick of the filesystem's clock (1-10 ms), as a step's do
+    for step in range(1, 9):  # a filesystem that never reuses a number (tmpfs) gives a new one: the usual case
+        save(path, b"step %d" % step, mtime_ns=10**18 + step * 10**9)
+        if path.stat().st_ino == uploaded:
+            break
+
+    assert channel.cycle().files == 1
+    assert channel.uploaded() == {"last.ckpt": b"step %d" % step}
+
+
 def test_during_a_stop_the_periodic_cycles_replace_nothing_with_what_the_workers_were_writing(tmp_path):
     channel = Channel(tmp_path)
     path = write(channel.root / "model.pt", b"good")
