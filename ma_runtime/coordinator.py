@@ -24,7 +24,7 @@ import resource
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from ma_runtime import attempt as attempt_module
 from ma_runtime import verdict as verdict_module
@@ -32,6 +32,7 @@ from ma_runtime.attempt import Attempt, Decision
 from ma_runtime.coordination.job import FAILED, HUNG, LOST, Failure, JobState
 from ma_runtime.coordination.store import Store, StoreUnavailable
 from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
+from ma_runtime.launch import registry
 from ma_runtime.process import lifecycle
 from ma_runtime.process.worker import SIGNAL_NAMES, tail
 from ma_runtime.supervise.supervisor import State
@@ -94,6 +95,9 @@ def for_job(spec, log) -> Any:
     """`Alone` for a one-node job or MA_RUNTIME_COORDINATOR=off; else this node's part of the job (worker-0's
     starts the embedded store now: the others may already be trying to reach it)."""
     if spec.num_hosts <= 1 or spec.coordinator == "off":
+        return Alone()
+    if spec.run_method and not registry.launcher(spec.run_method).JOB_AS_ONE:
+        log.info("the job's nodes act alone", reason=f"MA_RUN_METHOD={spec.run_method}: its tasks end apart")
         return Alone()
     hosts = node_hosts(spec)
     server = None
@@ -197,8 +201,11 @@ class Together:
         self.me = spec.task_index
         self.server = server
         self.policy = attempt_module.Policy.of(spec)
+        # mpirun: worker-0's command decides each attempt; the others' ends when it has.
+        self.worker_0_decides = bool(spec.run_method) and registry.launcher(spec.run_method).OUTCOME_ON_WORKER_0
         self.first: Optional[int] = None  # the job's first attempt: the budget counts from it on every node
         self.history: List[Any] = []  # the job's verdicts: the origin's of each attempt that had one
+        self.succeeded: Set[int] = set()  # attempts the watch saw end with no failure anywhere
         self.stages: Dict[str, float] = {"starting": time.monotonic()}
         self._main: Optional[JobState] = None
         self._closed = threading.Event()
@@ -250,6 +257,12 @@ class Together:
         started = time.monotonic()
         try:
             state = self._main_state()
+        except StoreUnavailable as exc:  # never reached: worker-0 did not start its store, or is not reachable
+            raise NodesMissing(f"the job's coordination store was not reached within MA_RUNTIME_BARRIER_SECONDS="
+                               f"{self.spec.barrier_seconds:g}: {exc}",
+                               hint="worker-0's runtime hosts it: check that worker-0 started and that this node "
+                                    "reaches it (its name resolves, MA_RUNTIME_COORDINATOR_PORT is open)") from None
+        try:
             number = state.gathering(attempt.number)
             if self.first is None:
                 self.first = state.first_attempt(attempt.first)
@@ -306,6 +319,10 @@ class Together:
         if verdict.state is State.STOPPED:
             return Agreement(verdict, decision)
         number = attempt.number
+        if verdict.state is State.SUCCEEDED and (number in self.succeeded or self.worker_0_decides and self.me != 0):
+            # The watch saw every node end well; or mpirun's other node, whose command ends when worker-0's has
+            # (whose store may be closed by now): worker-0's code is the job's, as without coordination.
+            return Agreement(verdict, decision)
         try:
             if self.lost_store is not None:  # the watch or the beacon found it gone: no second wait for it
                 raise self.lost_store
@@ -313,10 +330,11 @@ class Together:
             if verdict.state in (State.FAILED, State.HUNG):
                 state.report(self._failure_of(verdict, number))
             elif verdict.state is State.SUCCEEDED:
-                state.ended(number)
+                state.ended(number, closes=self.worker_0_decides and self.me == 0)
             self._wait_over(state, number)
             origin = state.origin(number)
             secondary = state.secondary(number) if origin is not None else []
+            state.saw(number)
         except StoreUnavailable as exc:
             lost = self._store_lost(exc)
             return Agreement(verdict_module.elsewhere(lost.reason, verdict.returncode, verdict.tail,
@@ -366,15 +384,13 @@ class Together:
     # ---------------------------------------------------------------- the end
 
     def leave(self, attempt: Attempt, stopped: bool) -> None:
-        """This node will not start another attempt. Worker-0 keeps the store up until every node has read the
-        outcome (left, or lost), unless the job is being stopped."""
+        """This node will not start another attempt. Worker-0 keeps its store up until every other node has read
+        the outcome (or is lost), unless the job is being stopped; the others have nothing more to say (each wrote
+        that it saw the outcome: mpirun's worker-0 may have closed its store since)."""
+        if self.server is None or stopped or self.lost_store is not None:
+            return
         try:
-            if self.lost_store is not None or (self._main is None and self.server is None):
-                return  # nothing to tell, or nobody to tell it to
             state = self._main_state()
-            state.leave(attempt.number)
-            if self.server is None or stopped:
-                return
             deadline = time.monotonic() + self.spec.node_lost_seconds
             others = [index for index in range(self.spec.num_hosts) if index != self.me]
             while state.still_here(attempt.number, others) and time.monotonic() < deadline:
@@ -446,6 +462,9 @@ class Watch:
                     origin = state.origin(self.attempt)
                     if origin is not None and (origin.task_index != together.me or origin.kind == LOST):
                         self._tell(origin)
+                    elif origin is None:  # every node ended, or worker-0's command did, which decides it
+                        together.succeeded.add(self.attempt)
+                    state.saw(self.attempt)
                     return
                 if together.lost_store is not None:
                     raise together.lost_store

@@ -15,7 +15,7 @@ Keys (the embedded store holds one job; an etcd backend puts them under the job'
   a/<n>/secondary/<i>    node i's failure that came after the origin: listed, never named as the cause
   a/<n>/ended/<i>        node i's workers all exited 0 by themselves; the last of the node count writes a/<n>/over
   a/<n>/over             attempt n's outcome is known: an origin, or every node ended
-  a/<n>/left/<i>         node i is done with the store for good (worker-0 keeps the store up until all are)
+  a/<n>/saw/<i>          node i read attempt n's outcome (worker-0 keeps the store up until every node has)
 
 A record (`Failure`) is JSON; no value holds the job's environment, its command line or its output beyond the
 failing command's last line, which the termination message carries anyway (masked there and here alike).
@@ -104,9 +104,9 @@ class JobState:
         return found
 
     def lost(self, attempt: int) -> List[int]:
-        """The nodes that joined `attempt` and neither ended nor left, whose heartbeat expired."""
+        """The nodes that joined `attempt` and did not end it well, whose heartbeat expired."""
         joined = self._indexes(_attempt_key(attempt, "joined", ""))
-        done = self._indexes(_attempt_key(attempt, "ended", "")) | self._indexes(_attempt_key(attempt, "left", ""))
+        done = self._indexes(_attempt_key(attempt, "ended", ""))
         live = {int(key.split("/", 1)[1]) for key in self.store.keys("node/")}
         return sorted(joined - done - live)
 
@@ -164,10 +164,11 @@ class JobState:
             self.store.set(_attempt_key(failure.attempt, "secondary", failure.task_index), failure.encoded())
         return origin
 
-    def ended(self, attempt: int) -> None:
-        """This node's workers all exited 0; the last node to say so closes the attempt."""
+    def ended(self, attempt: int, closes: bool = False) -> None:
+        """This node's workers all exited 0; the last node to say so closes the attempt, or this one when it
+        `closes` it alone (worker-0 of a launcher whose outcome is worker-0's)."""
         first_time = self.store.compare_and_set(_attempt_key(attempt, "ended", self.task_index), None, b"1")
-        if first_time and self.store.add(_attempt_key(attempt, "ended")) >= self.hosts:
+        if first_time and (self.store.add(_attempt_key(attempt, "ended")) >= self.hosts or closes):
             self.store.set(_attempt_key(attempt, "over"), b"1")
 
     def over(self, attempt: int, timeout: float) -> bool:
@@ -188,12 +189,11 @@ class JobState:
 
     # ---------------------------------------------------------------- the end
 
-    def leave(self, attempt: int) -> None:
-        self.store.set(_attempt_key(attempt, "left", self.task_index), b"1")
-        self.store.delete(f"node/{self.task_index}")
+    def saw(self, attempt: int) -> None:
+        self.store.set(_attempt_key(attempt, "saw", self.task_index), b"1")
 
     def still_here(self, attempt: int, hosts: Sequence[int]) -> List[int]:
-        """Of `hosts`, those alive that have not left after `attempt`."""
-        left = self._indexes(_attempt_key(attempt, "left", ""))
+        """Of `hosts`, those alive that have not read `attempt`'s outcome."""
+        done = self._indexes(_attempt_key(attempt, "saw", ""))
         live = {int(key.split("/", 1)[1]) for key in self.store.keys("node/")}
-        return [index for index in hosts if index in live and index not in left]
+        return [index for index in hosts if index in live and index not in done]

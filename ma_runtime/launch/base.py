@@ -212,6 +212,13 @@ class Launcher(abc.ABC):
     # where the launcher replaces it (torchrun exits 1 from its signal handler, msrun 0 from its SIGINT handler),
     # and the job's code after a stop is then 128+N.
     OWN_CODE_AFTER_STOP = True
+    # Whether a multi-node job of this launcher runs as one (coordinator.py: a barrier before each attempt, one
+    # restart for the job, 86 on the nodes that did not fail first). False where the job's nodes are of several
+    # tasks that end differently (TensorFlow's ps and workers).
+    JOB_AS_ONE = True
+    # Whether worker-0's command alone decides each attempt of a multi-node job: the other nodes only serve it (an
+    # sshd for mpirun's ranks), and their command ends when worker-0's has (coordinator.Watch stops it).
+    OUTCOME_ON_WORKER_0 = False
     # The names of the workers its plans hold (WorkerPlan.name), which supervise/ranks.py and supervise/stacks/
     # know a worker's tree by: "command" for a launch that runs the command as given.
     WORKERS = re.compile(r"command\Z")

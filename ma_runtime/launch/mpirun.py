@@ -87,6 +87,8 @@ class Mpirun(Launcher):
     TAKES_NPROC_PER_NODE = True
     # After a stop mpirun exits 1, whatever its ranks' handlers did.
     OWN_CODE_AFTER_STOP = False
+    # worker-0's mpirun runs every rank; the other nodes' command only waits for it to end (peers.py).
+    OUTCOME_ON_WORKER_0 = True
     WORKERS = re.compile(rf"(mpirun|{WATCHER})\Z")
     # MPI's launchers and daemons by name (Open MPI's, PRRTE's, MPICH Hydra's: a `bash run.sh` may start any), and
     # the ssh or rsh they start to reach the other nodes; on those nodes the ranks are orted's children.

@@ -45,6 +45,9 @@ class TensorflowGpu(Launcher):
     NAME = "tensorflow-gpu"
     TAKES_NPROC_PER_NODE = False  # one ps or worker per container
     OWN_CODE_AFTER_STOP = True  # after a stop: the command's own (the watcher waits for it and passes it on)
+    # The ps and the workers are two tasks, each its own VC_TASK_INDEX from 0 and its own hosts, and a ps ends by
+    # watching the workers' ports (peers.py), not with them: each container acts alone, as before.
+    JOB_AS_ONE = False
 
     def build(self, spec, context: Context, why: str) -> Plan:
         check_once_per_node(spec, why, "each ps and worker container runs one TensorFlow task")

@@ -328,3 +328,13 @@ def test_an_etcd_holds_the_job_when_the_coordinator_is_an_etcd_url(job_env, job3
     assert codes == [86, 3, 86], job3.report()
     assert job3.termination(0)["origin"] == job3.termination(2)["origin"] == job3.termination(1)["origin"]
     assert "coordination store started" not in job3.stderr(0)  # worker-0 hosts nothing
+
+
+def test_a_stop_while_waiting_at_the_barrier_ends_the_node_at_once_with_143(job_env, job3):
+    job3.start(1, job3.env(job_env, 1, MA_RUNTIME_BARRIER_SECONDS=600))  # worker-0 never starts: no store
+    deadline = time.monotonic() + GUARD
+    while "preflight skipped" not in job3.stderr(1):
+        assert time.monotonic() < deadline, job3.report()
+        time.sleep(0.1)
+    os.kill(_runtime_pid(job3.processes[1].pid), signal.SIGTERM)
+    assert job3.wait(30)[1] == 143, job3.report()  # not the 600 s of the barrier

@@ -139,9 +139,12 @@ def test_a_rank_exiting_3_ends_both_nodes_and_worker_0_exits_3(job_env, tmp_path
     codes = nodes.wait(timeout=120)
 
     report = nodes.report()
-    assert codes == [3, 0], report  # worker-0's code is the job's; worker-1 saw it end
+    assert codes == [3, 86], report  # worker-0's code is the job's; worker-1 was stopped for the job
     message = termination(envs[0])
     assert (message["exit_code"], message["rank"]) == (3, 3), report
+    other = termination(envs[1])
+    assert other["exit_code"] == 86 and other["origin"] == message["origin"], report
+    assert (other["origin"]["task_index"], other["origin"]["exit_code"]) == (0, 3), report
     assert namespace_pids(nodes) == [], describe(namespace_pids(nodes))
 
 
@@ -237,9 +240,11 @@ def test_one_node_runs_every_rank_itself_without_sshd(job_env):
 
 @needs_mpi
 def test_a_node_whose_sshd_never_answers_is_waited_for_then_81_names_it(job_env, tmp_path, trusted):
-    # Worker-0 alone, on this machine's network: its own sshd answers, the other node's name never resolves.
+    # Worker-0 alone, on this machine's network: its own sshd answers, the other node's name never resolves. (With
+    # the job as one, the barrier would name the node first: tests/e2e/test_job_as_one.py.)
     env = trusted(launcher_env(job_env, BIN, MA_RUN_METHOD="mpirun", MA_NUM_HOSTS=2, MY_SSHD_PORT=free_port(),
                                VC_WORKER_HOSTS="localhost,no-such-node.invalid", MA_RUNTIME_PEER_WAIT_SECONDS=2,
+                               MA_RUNTIME_COORDINATOR="off",  # mpirun's own wait for the sshd, not the barrier
                                OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1))
 
     done = run_ma(COMMAND, env, timeout=60)

@@ -156,7 +156,8 @@ def test_an_unresolvable_worker_0_fails_with_81_naming_the_host(job_env, tmp_pat
     fake.write_text("#!/bin/sh\necho 'the stand-in msrun ran'\n")
     fake.chmod(0o755)
     env = launcher_env(job_env, bin_dir, MA_RUN_METHOD="msrun", MA_NUM_HOSTS=2,
-                       VC_WORKER_HOSTS="no-such-host.invalid,other.invalid", MA_RUNTIME_MASTER_RESOLVE_SECONDS=1)
+                       VC_WORKER_HOSTS="no-such-host.invalid,other.invalid", MA_RUNTIME_MASTER_RESOLVE_SECONDS=1,
+                       MA_RUNTIME_COORDINATOR="off")  # msrun's own wait for the name, not the barrier's
 
     done = run_ma(["python", "train.py"], env, timeout=60)
 

@@ -410,7 +410,8 @@ def test_a_stop_while_msruns_plan_waits_for_worker_0s_name_ends_the_run_at_once(
     fake_msrun.chmod(0o755)
     env = {**job_env, "MA_RUNTIME_PREFLIGHT": "0", "MA_RUN_METHOD": "msrun", "MA_NUM_HOSTS": "2",
            "VC_TASK_INDEX": "1", "VC_WORKER_HOSTS": "worker-0.never.invalid,worker-1.never.invalid",
-           "MA_RUNTIME_MASTER_RESOLVE_SECONDS": "600", "PATH": f"{fake_msrun.parent}{os.pathsep}{job_env['PATH']}"}
+           "MA_RUNTIME_MASTER_RESOLVE_SECONDS": "600", "MA_RUNTIME_COORDINATOR": "off",  # the resolve, not the barrier
+           "PATH": f"{fake_msrun.parent}{os.pathsep}{job_env['PATH']}"}
     runtime = start(runtimes, env, ["python3", "train.py"])
     deadline = time.monotonic() + 20
     while "preflight skipped" not in (log_dir(env) / "modelarts-job-local-worker-1.log").read_text() \
