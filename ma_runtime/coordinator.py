@@ -38,6 +38,9 @@ from ma_runtime.process.worker import SIGNAL_NAMES, tail
 from ma_runtime.supervise.supervisor import State
 
 BEATS_PER_LOST = 5  # heartbeats within MA_RUNTIME_NODE_LOST_SECONDS: four may be late before the node is lost
+# A launcher's last lines (torchrun's error summary, which names the rank) reach the pipe as it exits: the failure
+# record waits this long at most for them, in the beacon thread, so the origin names the rank and its own code.
+OUTPUT_DRAIN_SECONDS = 1.0
 LOOK_SECONDS = 1.0  # worker-0 looks for lost nodes this often (at most) while an attempt runs or ends
 DNS_AGAIN_SECONDS = 5.0  # an unknown peer makes worker-0 resolve the job's names again, at most this often
 CONNECTIONS_PER_NODE = 3  # the beacon's, the main thread's, the attempt's watch
@@ -209,7 +212,8 @@ class Together:
         self.stages: Dict[str, float] = {"starting": time.monotonic()}
         self._main: Optional[JobState] = None
         self._closed = threading.Event()
-        self._reports: queue.Queue[Optional[Failure]] = queue.Queue()
+        # What the beacon sends: a Failure, or a function that makes one there (off the supervisor's thread).
+        self._reports: queue.Queue[Any] = queue.Queue()
         self.lost_store: Optional[StoreUnavailable] = None
         self._beacon = threading.Thread(target=self._beat, name="ma-runtime-beacon", daemon=True)
         self._beacon.start()
@@ -234,7 +238,7 @@ class Together:
                 except queue.Empty:
                     continue
                 if report is not None:
-                    state.report(report)
+                    state.report(report() if callable(report) else report)
         except StoreUnavailable as exc:
             if not self._closed.is_set():
                 self.lost_store = exc
@@ -299,8 +303,9 @@ class Together:
     def watch(self, attempt: Attempt, plan, wake: Callable[[], None]) -> "Watch":
         return Watch(self, attempt, plan, wake)
 
-    def report(self, failure: Failure) -> None:
-        """Sends this node's failure from the beacon thread: the supervisor never waits on the network."""
+    def report(self, failure: Any) -> None:
+        """Sends this node's failure (or a function that makes it) from the beacon thread: the supervisor never
+        waits on the network."""
         self._reports.put(failure)
 
     def failure(self, kind: str, attempt: int, reason: str, **fields) -> Failure:
@@ -414,6 +419,7 @@ class Watch:
         self.together = together
         self.attempt = attempt.number
         self.ranks = {planned.name: planned.rank for planned in plan.workers}
+        self.root_cause = registry.launcher(plan.method).root_cause
         self.wake = wake
         self.origin: Optional[Failure] = None
         self.reported = False
@@ -426,13 +432,21 @@ class Watch:
         if self.reported:
             return
         self.reported = True
-        code = lifecycle.exit_code(worker.returncode)
-        death = SIGNAL_NAMES.get(-worker.returncode) if worker.returncode < 0 else None
+        self.together.report(lambda: self._failure_of(worker))
+
+    def _failure_of(self, worker) -> Failure:
+        """The record of `worker`'s failure: the rank and status its launcher's output names first (torchrun exits 1
+        whatever its rank did, as verdict.of reads it), else the worker's own."""
+        worker.join_output(OUTPUT_DRAIN_SECONDS)
+        lines = tail(worker, verdict_module.ROOT_CAUSE_LINES)
+        cause = self.root_cause(lines)
+        rank, status = ((cause.rank, cause.returncode) if cause is not None and cause.returncode != 0 else
+                        (self.ranks.get(worker.name), worker.returncode))
+        code = lifecycle.exit_code(status)
+        death = SIGNAL_NAMES.get(-status) if status < 0 else None
         reason = f"the command died of {death}" if death else f"the command exited with code {code}"
-        lines = tail(worker)
-        self.together.report(self.together.failure(
-            FAILED, self.attempt, reason, rank=self.ranks.get(worker.name), exit_code=code, signal=death,
-            last_line=lines[-1].strip() if lines else ""))
+        return self.together.failure(FAILED, self.attempt, reason, rank=rank, exit_code=code, signal=death,
+                                     last_line=lines[-1].strip() if lines else "")
 
     def hung_here(self, hang) -> None:
         if not self.reported:
