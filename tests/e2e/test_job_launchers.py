@@ -1,8 +1,9 @@
 """The job as one (issue 26) under the real launchers: a rank failing once on one node restarts every node's
 launcher with the same MA_PROC_START_CNT, and attempt 2's collective is right. Real torchrun (gloo, static
 rendezvous as the runtime builds it for the platform), real msrun (MindSpore CPU), RTF with fake NPUs and a rank
-table per node; each node a network namespace (ma_runtime/local/nodes.py) running `ma-run`, worker-0's runtime
-hosting the coordination store (tests/e2e/test_job_as_one.py's Job).
+table per node, real mpirun (Open MPI over each node's sshd). Each node is a network namespace
+(ma_runtime/local/nodes.py) running `ma-run`, worker-0's runtime hosting the coordination store
+(tests/e2e/test_job_as_one.py's Job).
 
 No timed assertion: what is asserted is which attempts ran where, what their collectives gave, the exit codes and
 the termination messages.
@@ -15,10 +16,13 @@ import re
 import pytest
 
 from tests.conftest import ROOT, free_port, wait_for_file
+from tests.e2e import test_mpirun as mpirun_tests
 from tests.e2e.test_job_as_one import GUARD, Job
 from tests.e2e.test_launchers import JOBS, MS_BIN, TORCH_BIN, needs_mindspore, needs_torch
+from tests.e2e.test_mpirun import needs_mpi
 
 FAKES = ROOT / "tests" / "fakes"
+trusted = mpirun_tests.trusted  # the fixture: the job's SSH trust files in a node's MA_HOME/.ssh
 
 
 @pytest.fixture
@@ -172,3 +176,30 @@ def test_rtf_a_rank_failing_once_rereads_the_rank_table_and_every_node_runs_atte
         assert "the rank table changed since the last attempt: converting it again" in job.stderr(node)
     # The job's decision named the origin on node 0 too (its termination message is attempt 2's: no origin).
     assert f"{job.nodes.hosts[1]} (task 1) rank {failing} failed first" in job.stderr(0), report(job)
+
+
+# --------------------------------------------------------------------------- mpirun
+
+
+@needs_mpi
+def test_mpirun_a_rank_failing_once_reruns_mpirun_on_worker_0_and_every_node_ends_0(job_env, nodes, trusted):
+    job = nodes(2)
+    for node in (0, 1):  # jobs/mpi_allreduce.py: rank 3 (node 1's second) exits 3 in attempt 1
+        env = job.env(job_env, node, PATH=f"{mpirun_tests.BIN}{os.pathsep}{job_env['PATH']}", MA_RUN_METHOD="mpirun",
+                      MY_MPI_SLOTS=2, OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1,
+                      MA_RUNTIME_PEER_WAIT_SECONDS=30, MA_RUNTIME_MPI_EXPORT="FAIL_RANK,FAIL_ATTEMPT", FAIL_RANK=3,
+                      FAIL_ATTEMPT=1, MA_RUNTIME_MAX_RESTARTS=1)
+        job.start(node, trusted(env), mpirun_tests.COMMAND)
+
+    codes = job.wait()
+
+    assert codes == [0, 0], report(job)
+    for rank in range(4):  # attempt 2's allreduce, every rank's line through worker-0's mpirun
+        assert f"rank {rank} of 4 on {job.nodes.hosts[rank // 2]}: allreduce=10" in stdout(job, 0), report(job)
+    for node in (0, 1):
+        started = re.findall(r'msg="starting command".* attempt=(\d+)', job.stderr(node))
+        assert started == ["1", "2"], report(job)
+        assert job.stderr(node).count('msg="sshd listens"') == 1  # the same sshd for both attempts
+    # Worker-1 followed the job: stopped when worker-0's mpirun failed, ended when the job's attempt 2 did.
+    assert f"{job.nodes.hosts[0]} (task 0) rank 3 failed first" in job.stderr(1), report(job)
+    assert "ma-runtime: the job's attempt ended on every node" in job.stderr(1), report(job)
