@@ -22,6 +22,7 @@ BYTE_LIMIT = 64 << 20  # every key and value together, by default: the job's sta
 _SESSIONS_KEPT = 65536  # the last write reply of this many client sessions (a job has at most a few thousand)
 _LONGEST_WAIT = 7 * 86400.0  # seconds: a longer wait's deadline is this one's (selectors take no infinity)
 _WRITES = frozenset({"set", "add", "cas", "delete"})  # the requests whose replies a resend must get again
+ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() failed (out of descriptors), unless one is freed
 
 # --------------------------------------------------------------------------- the server
 
@@ -60,6 +61,8 @@ class EmbeddedStoreServer:
         self._connections: Set[_Connection] = set()
         self._closing = False
         self._released = False
+        self._accept_again: Optional[float] = None  # while accept() rests: when to try again (monotonic)
+        self._accept_failed = False  # a failed accept is said once, until one succeeds again
         self._thread = threading.Thread(target=self._serve, name="ma-runtime-store", daemon=True)
 
     @property
@@ -91,11 +94,13 @@ class EmbeddedStoreServer:
     def _serve(self) -> None:
         try:
             while not self._closing:
-                due = self._table.next_due()
-                timeout = None if due is None else max(due - time.monotonic(), 0.0)
+                due = [moment for moment in (self._table.next_due(), self._accept_again) if moment is not None]
+                timeout = max(min(due) - time.monotonic(), 0.0) if due else None
                 for selected, events in self._selector.select(timeout):
                     self._dispatch(selected, events)
                 self._table.run_due(time.monotonic())
+                if self._accept_again is not None and time.monotonic() >= self._accept_again:
+                    self._listen_again()
                 self._send_answers()
         finally:
             self._release()
@@ -128,9 +133,10 @@ class EmbeddedStoreServer:
                 sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors, say: the peer retries
-                self._warn("the store could not accept a connection", error=str(exc))
+            except OSError as exc:  # out of descriptors, say: the peer waits in the backlog
+                self._rest_listener(exc)
                 return
+            self._accept_failed = False
             if self._allow is not None and not self._allow(peer[0]):
                 sock.close()  # before reading a byte
                 self._warn("the store refused a peer that is not one of the job's nodes", peer=peer[0])
@@ -140,6 +146,21 @@ class EmbeddedStoreServer:
             connection = _Connection(sock, peer[0])
             self._connections.add(connection)
             self._selector.register(sock, selectors.EVENT_READ, connection)
+
+    def _rest_listener(self, exc: OSError) -> None:
+        """accept() failed: the pending peer stays readable on the listener, so watching it would spin. The
+        listener rests until a connection closes (a descriptor freed) or ACCEPT_PAUSE passes."""
+        if not self._accept_failed:
+            self._accept_failed = True
+            self._warn("the store could not accept a connection", error=str(exc))
+        if self._accept_again is None:
+            self._selector.unregister(self._listener)
+        self._accept_again = time.monotonic() + ACCEPT_PAUSE
+
+    def _listen_again(self) -> None:
+        if self._accept_again is not None:
+            self._accept_again = None
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
 
     def _receive(self, connection: _Connection) -> None:
         try:
@@ -248,6 +269,8 @@ class EmbeddedStoreServer:
         except (KeyError, ValueError):
             pass
         connection.sock.close()
+        if not self._closing:
+            self._listen_again()  # a descriptor is free: a peer waiting in the backlog can be accepted
 
     def _warn(self, message: str, **fields: Any) -> None:
         if self._log is not None:
