@@ -471,8 +471,12 @@ class Watch:
         try:
             self._store = together.connect(together.spec.node_lost_seconds)
             state = JobState(self._store, together.me, together.hosts[together.me], together.spec.num_hosts)
+            # Worker-0 looks for lost nodes every LOOK_SECONDS; the others only wait, and a wait as long as half
+            # MA_RUNTIME_NODE_LOST_SECONDS still finds a lost store within the bound (the reply is late after the
+            # other half): a 1 s re-wait was most of the store's CPU at 1 024 nodes (benchmarks/coordination_scale).
+            slice_seconds = LOOK_SECONDS if together.me == 0 else max(LOOK_SECONDS, together.spec.node_lost_seconds / 2)
             while not self._stopped.is_set():
-                if state.over(self.attempt, LOOK_SECONDS):
+                if state.over(self.attempt, slice_seconds):
                     origin = state.origin(self.attempt)
                     if origin is not None and (origin.task_index != together.me or origin.kind == LOST):
                         self._tell(origin)
