@@ -24,7 +24,7 @@ import resource
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ma_runtime import attempt as attempt_module
 from ma_runtime import verdict as verdict_module
@@ -208,7 +208,6 @@ class Together:
         self.worker_0_decides = bool(spec.run_method) and registry.launcher(spec.run_method).OUTCOME_ON_WORKER_0
         self.first: Optional[int] = None  # the job's first attempt: the budget counts from it on every node
         self.history: List[Any] = []  # the job's verdicts: the origin's of each attempt that had one
-        self.succeeded: Set[int] = set()  # attempts the watch saw end with no failure anywhere
         self.stages: Dict[str, float] = {"starting": time.monotonic()}
         self._main: Optional[JobState] = None
         self._closed = threading.Event()
@@ -324,9 +323,9 @@ class Together:
         if verdict.state is State.STOPPED:
             return Agreement(verdict, decision)
         number = attempt.number
-        if verdict.state is State.SUCCEEDED and (number in self.succeeded or self.worker_0_decides and self.me != 0):
-            # The watch saw every node end well; or mpirun's other node, whose command ends when worker-0's has
-            # (whose store may be closed by now): worker-0's code is the job's, as without coordination.
+        if verdict.state is State.SUCCEEDED and self.worker_0_decides and self.me != 0:
+            # mpirun's other node: its command ends when worker-0's has, whose store may be closed by now; worker-0's
+            # code is the job's, as without coordination.
             return Agreement(verdict, decision)
         try:
             if self.lost_store is not None:  # the watch or the beacon found it gone: no second wait for it
@@ -480,9 +479,8 @@ class Watch:
                     origin = state.origin(self.attempt)
                     if origin is not None and (origin.task_index != together.me or origin.kind == LOST):
                         self._tell(origin)
-                    elif origin is None:  # every node ended, or worker-0's command did, which decides it
-                        together.succeeded.add(self.attempt)
-                    state.saw(self.attempt)
+                    elif origin is None and together.worker_0_decides:  # worker-0's command ended well
+                        state.saw(self.attempt)  # this node's agree will not ask the store again
                     return
                 if together.lost_store is not None:
                     raise together.lost_store
