@@ -42,6 +42,7 @@ EXPECTED_SKIPS = {
 # no unit test runs (the multi-node, local-box and framework files to come stay out).
 SECOND_PYTHON_E2E = {
     "tests/e2e/test_cli.py": "the console scripts and their arguments",
+    "tests/e2e/test_job_as_one.py": "the coordinator: the one runtime code that runs only on several nodes",
     "tests/e2e/test_exit_codes.py": "exit codes and their decoding",
     "tests/e2e/test_termination.py": "the termination message",
     "tests/e2e/test_signal_regime.py": "signal handling, as PID 1 and not",

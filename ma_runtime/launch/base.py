@@ -217,7 +217,7 @@ class Launcher(abc.ABC):
     # tasks that end differently (TensorFlow's ps and workers).
     JOB_AS_ONE = True
     # Whether worker-0's command alone decides each attempt of a multi-node job: the other nodes only serve it (an
-    # sshd for mpirun's ranks), and their command ends when worker-0's has (coordinator.Watch stops it).
+    # sshd for mpirun's ranks), and their command ends when worker-0's has (together.Watch stops it).
     OUTCOME_ON_WORKER_0 = False
     # The names of the workers its plans hold (WorkerPlan.name), which supervise/ranks.py and supervise/stacks/
     # know a worker's tree by: "command" for a launch that runs the command as given.

@@ -62,7 +62,7 @@ def run_attempt(spec: spec_module.JobSpec, plan: plan_module.Plan, attempt, cont
     """One attempt: spawn every planned worker and supervise them until all have exited and nothing is left.
     `context` is the run's (bootstrap's): its run id, signal queue, guard, task log and uploader. `environ` is
     what the stages made of the runtime's environment, `staged_env` stage-in's variables (they win). `job`: the
-    job across nodes for the supervisor (coordinator.Watch), None when this node is alone."""
+    job across nodes for the supervisor (together.Watch), None when this node is alone."""
     log = logs.get_logger()
     launcher = registry.launcher(plan.method)
     follower = None

@@ -144,7 +144,7 @@ class Supervisor:
         forwards: Forwards = _forwards_nothing,
         hangs=None,  # a hang.Monitor for this attempt, or None: hang detection off
         on_stop: Optional[Callable[[float], None]] = None,  # told when the workers are first asked to stop
-        job=None,  # the job across nodes (coordinator.Watch): told of a failure or hang here, says one elsewhere
+        job=None,  # the job across nodes (together.Watch): told of a failure or hang here, says one elsewhere
     ):
         self.workers: List[Worker] = [workers] if isinstance(workers, Worker) else list(workers)
         if not self.workers:

@@ -1,5 +1,5 @@
 """The job's keys and the rules every node applies alike (coordination/job.py), and the job-wide decision
-(coordinator.Together) over a real embedded store on loopback: several nodes are several clients in one process.
+(together.Together) over a real embedded store on loopback: several nodes are several clients in one process.
 No timed assertion: a bound only guards against a hang."""
 
 import threading
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from ma_runtime import coordinator
 from ma_runtime import spec as spec_module
+from ma_runtime import together
 from ma_runtime import verdict as verdict_module
 from ma_runtime.attempt import Attempt, Decision
 from ma_runtime.coordination.embedded import EmbeddedStoreClient, EmbeddedStoreServer
@@ -164,11 +164,11 @@ def test_worker_0_waits_only_for_the_live_nodes_that_have_not_seen_the_outcome(s
 # --------------------------------------------------------------------------- the decision, on every node alike
 
 
-def together(server, index: int, **settings) -> coordinator.Together:
+def node_of(server, index: int, **settings) -> together.Together:
     environ = {"MA_NUM_HOSTS": "3", "VC_TASK_INDEX": str(index), "VC_WORKER_HOSTS": ",".join(HOSTS),
                "MA_RUNTIME_NODE_LOST_SECONDS": "5", **{name: str(value) for name, value in settings.items()}}
     spec = spec_module.load({}, environ, None)
-    return coordinator.Together(spec, Log(), lambda _first: client(server), HOSTS)
+    return together.Together(spec, Log(), lambda _first: client(server), HOSTS)
 
 
 def failed(code: int, line: str = "boom") -> verdict_module.Verdict:
@@ -197,7 +197,7 @@ def agree_all(jobs, attempt: Attempt, verdicts):
 @pytest.fixture
 def jobs(server, request):
     settings = getattr(request, "param", {})
-    made = [together(server, index, **settings) for index in range(3)]
+    made = [node_of(server, index, **settings) for index in range(3)]
     yield made
     for job in made:
         job.close()
@@ -267,11 +267,11 @@ def test_the_reason_names_a_lost_or_hung_origin_as_such():
     lost = Failure(LOST, 2, HOSTS[2], 1, "no heartbeat for MA_RUNTIME_NODE_LOST_SECONDS=30")
     hung = Failure(HUNG, 1, HOSTS[1], 1, "job suspected hung: no progress for 600 s", rank=3,
                    exit_code=int(ExitCode.HANG_DETECTED))
-    assert coordinator._elsewhere_reason(lost) == f"{HOSTS[2]} (task 2) was lost: no heartbeat for " \
+    assert together._elsewhere_reason(lost) == f"{HOSTS[2]} (task 2) was lost: no heartbeat for " \
                                                   "MA_RUNTIME_NODE_LOST_SECONDS=30"
-    assert coordinator._elsewhere_reason(hung).startswith(f"{HOSTS[1]} (task 1) rank 3 hung first: job suspected")
-    assert coordinator._verdict_of(hung).state is State.HUNG
-    assert coordinator._verdict_of(lost).exit_code == ExitCode.STOPPED_FOR_JOB
+    assert together._elsewhere_reason(hung).startswith(f"{HOSTS[1]} (task 1) rank 3 hung first: job suspected")
+    assert together._verdict_of(hung).state is State.HUNG
+    assert together._verdict_of(lost).exit_code == ExitCode.STOPPED_FOR_JOB
 
 
 def test_a_record_round_trips_and_ignores_fields_it_does_not_know():

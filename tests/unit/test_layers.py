@@ -3,7 +3,7 @@
 The layers, bottom to top (a top-level module or sub-package of ma_runtime names its layer):
   util, errors, process (and the package's own __init__)  what everything uses
   storage (and coordination) < sync < setting < launch < spec < supervise < stages
-  the run itself: cli, commands, bootstrap, run_context, attempt, coordinator, verdict, ending, termination,
+  the run itself: cli, commands, bootstrap, run_context, attempt, coordinator, together, verdict, ending, termination,
   __main__, local
 Every import counts, the ones inside a function and under TYPE_CHECKING too: a lazy import still makes the
 lower layer need the upper one. A new top-level module or sub-package must be given a layer here.
@@ -27,8 +27,8 @@ LAYERS = (
     ("spec",),
     ("supervise",),
     ("stages",),
-    ("cli", "commands", "bootstrap", "run_context", "attempt", "coordinator", "verdict", "ending", "termination",
-     "__main__", "local"),
+    ("cli", "commands", "bootstrap", "run_context", "attempt", "coordinator", "together", "verdict", "ending",
+     "termination", "__main__", "local"),
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
