@@ -41,6 +41,7 @@ OUTPUT_DRAIN_SECONDS = 1.0
 LOOK_SECONDS = 1.0  # worker-0 looks for lost nodes this often (at most) while an attempt runs or ends
 DNS_AGAIN_SECONDS = 5.0  # an unknown peer makes worker-0 resolve the job's names again, at most this often
 CONNECTIONS_PER_NODE = 3  # the beacon's, the main thread's, the attempt's watch
+LINGER_SECONDS = 5.0  # at most, worker-0's store outlives a run that failed before `leave`, for the others to read
 
 
 class NodesMissing(RuntimeFailure):
@@ -162,6 +163,8 @@ class Together:
         self.history: List[Any] = []  # the job's verdicts: the origin's of each attempt that had one
         self.stages: Dict[str, float] = {"starting": time.monotonic()}
         self._main: Optional[JobState] = None
+        self._beacon_state: Optional[JobState] = None
+        self._left = False  # `leave` ran: the other nodes have read the outcome (or are lost)
         self._closed = threading.Event()
         # What the beacon sends: a Failure, or a function that makes one there (off the supervisor's thread).
         self._reports: queue.Queue[Any] = queue.Queue()
@@ -180,7 +183,7 @@ class Together:
 
     def _beat(self) -> None:
         try:
-            state = self._state(self.spec.barrier_seconds)
+            state = self._beacon_state = self._state(self.spec.barrier_seconds)
             interval = self.spec.node_lost_seconds / BEATS_PER_LOST
             while not self._closed.is_set():
                 state.beat(self._current_stage(), ttl=self.spec.node_lost_seconds)
@@ -223,12 +226,13 @@ class Together:
                 self.first = state.first_attempt(attempt.first)
             self.stage("waiting for the other nodes")
             state.join(number, self._timings())
-            released = state.released(number, max(self.spec.barrier_seconds - (time.monotonic() - started), 0.0))
-            if not released:
-                raise NodesMissing(self._missing_reason(state, number),
-                                   hint="a node that never joined did not start or cannot reach worker-0 (check its "
-                                        "log and the network); one stuck in a stage needs that stage looked at; "
-                                        "MA_RUNTIME_BARRIER_SECONDS sets how long the nodes wait")
+            ended = state.released(number, max(self.spec.barrier_seconds - (time.monotonic() - started), 0.0))
+            if ended is None:  # this node's wait ran out first: the barrier ends so for every node
+                ended = state.end_barrier(number, self._missing_reason(state, number))
+            if ended:
+                raise NodesMissing(ended, hint="a node that never joined did not start or cannot reach worker-0 "
+                                               "(check its log and the network); one stuck in a stage needs that stage "
+                                               "looked at; MA_RUNTIME_BARRIER_SECONDS sets how long the nodes wait")
         except StoreUnavailable as exc:
             raise self._store_lost(exc) from None
         self.log.info("every node joined", attempt=number, nodes=self.spec.num_hosts,
@@ -351,16 +355,25 @@ class Together:
             others = [index for index in range(self.spec.num_hosts) if index != self.me]
             while state.still_here(attempt.number, others) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            self._left = True
         except StoreUnavailable:
             pass  # nothing left to tell
 
     def close(self) -> None:
+        """Closes this node's clients; worker-0's store, after a run that ended before `leave` (a barrier that
+        timed out, a stage that failed), stays up until the other nodes have let go of it or LINGER_SECONDS pass:
+        they may still be reading how it ended."""
         self._closed.set()
         self._reports.put(None)
-        if self._main is not None:
-            self._main.store.close()
-        if self.server is not None:
-            self.server.close()
+        for state in (self._main, self._beacon_state):
+            if state is not None:
+                state.store.close()
+        if self.server is None:
+            return
+        deadline = time.monotonic() + (0.0 if self._left else LINGER_SECONDS)
+        while self.server.connections() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.server.close()
 
 
 class Watch:

@@ -9,7 +9,8 @@ Keys (the embedded store holds one job; an etcd backend puts them under the job'
   first                  the job's first attempt: the restart budget counts from it on every node
   a/<n>/joined/<i>       node i joined attempt n (written once: a node that joins twice counts once)
   a/<n>/joined           how many joined; the node whose `add` reaches the node count writes a/<n>/go
-  a/<n>/go               the barrier's release: every waiting node's `wait` returns at once
+  a/<n>/go               the barrier's end: every waiting node's `wait` returns at once; "1" when every node
+                         joined, else the reason of the first node whose wait ran out (each node ends with it)
   a/<n>/origin           the first failure of attempt n (compare_and_set: the first the store received wins)
   a/<n>/seq              stamps, in the store's receive order, for every failure reported
   a/<n>/secondary/<i>    node i's failure that came after the origin: listed, never named as the cause
@@ -27,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ma_runtime.coordination.store import Store
 
+RELEASED = b"1"  # a/<n>/go when every node joined; otherwise the reason the first node whose wait ran out gave
 # What a failure record may say (its `kind`).
 FAILED, HUNG, LOST = "failed", "hung", "lost"
 
@@ -133,10 +135,22 @@ class JobState:
         mine = _attempt_key(attempt, "joined", self.task_index)
         joined = self.store.compare_and_set(mine, None, json.dumps({"host": self.host, "timings": timings}).encode())
         if joined and self.store.add(_attempt_key(attempt, "joined")) >= self.hosts:
-            self.store.set(_attempt_key(attempt, "go"), b"1")
+            # Only if no node's wait ran out first: every node reads one outcome of the barrier.
+            self.store.compare_and_set(_attempt_key(attempt, "go"), None, RELEASED)
 
-    def released(self, attempt: int, timeout: float) -> bool:
-        return self.store.wait([_attempt_key(attempt, "go")], timeout)
+    def released(self, attempt: int, timeout: float) -> Optional[str]:
+        """"" once every node joined `attempt`; the reason when a node's wait ran out first (end_barrier); None
+        when `timeout` passed first."""
+        if not self.store.wait([_attempt_key(attempt, "go")], timeout):
+            return None
+        value = self.store.get(_attempt_key(attempt, "go"))
+        return "" if value in (None, RELEASED) else value.decode(errors="replace")
+
+    def end_barrier(self, attempt: int, reason: str) -> Optional[str]:
+        """This node's wait ran out: the barrier ends for every node with `reason` (the first node whose wait ran
+        out gives it), unless the last node joined meanwhile. Returns what `released` would now."""
+        self.store.compare_and_set(_attempt_key(attempt, "go"), None, reason.encode())
+        return self.released(attempt, 0.0)
 
     def missing(self, attempt: int) -> List[Tuple[int, Optional[Dict[str, Any]]]]:
         """[(task index, its last heartbeat or None: never heard of)] of the nodes that did not join `attempt`."""

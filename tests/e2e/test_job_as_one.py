@@ -173,6 +173,7 @@ def test_a_node_that_never_joins_ends_the_others_with_81_naming_it(job_env, job3
     codes = job3.wait()
     assert codes[:2] == [81, 81], job3.report()
     assert not os.listdir(job3.out)
+    assert job3.termination(0)["reason"] == job3.termination(1)["reason"]  # one end of the barrier for every node
     for node in (0, 1):
         message = job3.termination(node)
         assert message["stage"] == "barrier"

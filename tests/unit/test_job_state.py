@@ -47,11 +47,29 @@ def test_the_barrier_opens_when_the_last_node_joins_and_a_node_joining_twice_cou
     a.join(1, {})
     a.join(1, {})  # a runtime that joins again (it restarted in the same pod) is still one node
     b.join(1, {})
-    assert not a.released(1, 0.2)
+    assert a.released(1, 0.2) is None
     assert [index for index, _ in a.missing(1)] == [2]
     c.join(1, {})
-    assert a.released(1, GUARD) and b.released(1, GUARD) and c.released(1, GUARD)
+    assert a.released(1, GUARD) == b.released(1, GUARD) == c.released(1, GUARD) == ""
     assert a.missing(1) == []
+
+
+def test_the_first_node_whose_wait_runs_out_ends_the_barrier_for_every_node_with_its_reason(server):
+    a, b, c = nodes(server)
+    a.join(1, {})
+    b.join(1, {})
+    assert a.end_barrier(1, "node-c.job (task 2): never joined") == "node-c.job (task 2): never joined"
+    assert b.released(1, GUARD) == "node-c.job (task 2): never joined"  # woken at once, with the same reason
+    assert b.end_barrier(1, "another reason") == "node-c.job (task 2): never joined"  # the first one stays
+    c.join(1, {})  # too late: the barrier ended
+    assert c.released(1, GUARD) == "node-c.job (task 2): never joined"
+
+
+def test_a_node_whose_wait_runs_out_as_the_last_one_joins_is_released(server):
+    a, b = nodes(server, 2)
+    a.join(1, {})
+    b.join(1, {})
+    assert a.end_barrier(1, "too late") == ""
 
 
 def test_a_waiting_node_is_released_by_the_last_join_without_polling(server):
@@ -64,7 +82,7 @@ def test_a_waiting_node_is_released_by_the_last_join_without_polling(server):
     time.sleep(0.2)
     c.join(1, {})
     waiter.join(GUARD)
-    assert released == [True]
+    assert released == [""]
 
 
 def test_missing_nodes_say_their_last_stage_or_nothing_when_never_heard_of(server):

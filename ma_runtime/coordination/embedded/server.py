@@ -65,6 +65,10 @@ class EmbeddedStoreServer:
         self._accept_failed = False  # a failed accept is said once, until one succeeds again
         self._thread = threading.Thread(target=self._serve, name="ma-runtime-store", daemon=True)
 
+    def connections(self) -> int:
+        """How many clients are connected now (read from any thread: the size of a set)."""
+        return len(self._connections)
+
     @property
     def address(self) -> str:
         return address_text(self.host, self.port)
