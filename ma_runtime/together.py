@@ -192,12 +192,22 @@ class Together:
                 except queue.Empty:
                     continue
                 if report is not None:
-                    state.report(report() if callable(report) else report)
+                    self._send(state, report)
         except StoreUnavailable as exc:
             if not self._closed.is_set():
                 self.lost_store = exc
         except ValueError as exc:  # a request the store refused: a bug of ours, said once
             self.log.warning("coordination heartbeat stopped", error=str(exc))
+
+    def _send(self, state: JobState, report: Any) -> None:
+        """This node's failure to the store; a record that could not be made (a launcher's output its parser did
+        not expect) costs only the early report, never the heartbeat: `agree` reports the verdict anyway."""
+        try:
+            failure = report() if callable(report) else report
+        except Exception as exc:  # noqa: BLE001 - the beacon must go on beating
+            self.log.warning("could not describe this node's failure early", error=f"{type(exc).__name__}: {exc}")
+            return
+        state.report(failure)
 
     def _state(self, first: float) -> JobState:
         return JobState(self.connect(first), self.me, self.hosts[self.me], self.spec.num_hosts)
@@ -309,7 +319,10 @@ class Together:
         job_attempt = dataclasses.replace(attempt, first=self.first if self.first is not None else attempt.first)
         decision = self.policy.decide(job_attempt, job_verdict, self.history, False)
         if decision.restart:
-            self._main_state().gather_next(attempt.number + 1)
+            try:
+                self._main_state().gather_next(attempt.number + 1)
+            except StoreUnavailable:
+                pass  # the barrier of the next attempt finds the store lost, and says so
         if origin.task_index != self.me or origin.kind == LOST:
             # 86 here whatever the decision: the origin node alone says 82 when restarts did not help.
             verdict = verdict_module.elsewhere(_elsewhere_reason(origin), verdict.returncode, verdict.tail,
