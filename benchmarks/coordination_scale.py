@@ -10,8 +10,9 @@ every node makes the calls a node's runtime makes (ma_runtime/coordinator.py), t
            6 s), the nodes' phases spread evenly over the interval; one thread per process beats its nodes in
            turn; the failing node's failure goes out on it (`report`), as the runtime's beacon thread sends it;
   main     the barrier: `gathering`, `first_attempt`, `join`, then `released` (a wait on the release key);
-  watch    during the attempt, as `Watch._watch`: `over(attempt, 1 s)` again and again (LOOK_SECONDS), then
-           `origin` once it is over; node 0 (worker-0's runtime) also looks for lost nodes each time (`lost`).
+  watch    during the attempt, as `Watch._watch`: `over(attempt, ...)` again and again, then `origin` once it is
+           over; node 0 (worker-0's runtime) renews it every LOOK_SECONDS (1 s) and looks for lost nodes each time
+           (`lost`), the others every half MA_RUNTIME_NODE_LOST_SECONDS (15 s).
 One thread per node for main and watch (they block, as the runtime's do).
 
 One cycle (a row's sample), on a fresh store: connect every node's three clients; start the heartbeats; every
@@ -56,8 +57,9 @@ from ma_runtime.coordination.embedded import EmbeddedStoreClient, EmbeddedStoreS
 from ma_runtime.coordination.job import FAILED, Failure, JobState  # noqa: E402
 
 NODE_LOST_SECONDS = 30.0  # MA_RUNTIME_NODE_LOST_SECONDS's default
-BEATS_PER_LOST = 5  # coordinator.BEATS_PER_LOST
-LOOK_SECONDS = 1.0  # coordinator.LOOK_SECONDS: the watch's wait, renewed
+BEATS_PER_LOST = 5  # together.BEATS_PER_LOST
+LOOK_SECONDS = 1.0  # together.LOOK_SECONDS: worker-0's watch renews its wait this often, to look for lost nodes
+OTHERS_LOOK_SECONDS = NODE_LOST_SECONDS / 2  # together.Watch: the other nodes' wait, half MA_RUNTIME_NODE_LOST_SECONDS
 ATTEMPT = 1
 INSIDE = "MA_BENCH_SCALE_NETNS"  # set once this script runs in its own network namespace
 ROLES = ("beacon", "main", "watch")
@@ -135,8 +137,8 @@ class SimNode:
                 raise RuntimeError("the barrier timed out")
             self.released_at = time.time()
             watch = self.states["watch"]
-            # Worker-0 renews its wait every LOOK_SECONDS to look for lost nodes; the others, as the runtime
-            # does now, too, unless --look-seconds says otherwise (a diagnostic).
+            # Worker-0 renews its wait every LOOK_SECONDS to look for lost nodes; the others every --look-seconds
+            # (the runtime's: half MA_RUNTIME_NODE_LOST_SECONDS).
             look = LOOK_SECONDS if self.index == 0 else look_seconds
             while not stop.is_set():
                 if watch.over(number, look):
@@ -458,9 +460,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="how long the attempt runs with heartbeats and watches only (default 12: two beats)")
     parser.add_argument("--server-nofile", type=int, default=0,
                         help="the store's RLIMIT_NOFILE soft limit (default: raised to the hard limit)")
-    parser.add_argument("--look-seconds", type=float, default=LOOK_SECONDS,
-                        help="a diagnostic: the watch's wait on every node but worker-0 (default: the runtime's "
-                             f"{LOOK_SECONDS:g} s on every node)")
+    parser.add_argument("--look-seconds", type=float, default=OTHERS_LOOK_SECONDS,
+                        help="the watch's wait on every node but worker-0 (default: the runtime's, "
+                             f"{OTHERS_LOOK_SECONDS:g} s; worker-0's is {LOOK_SECONDS:g} s)")
     parser.add_argument("--no-netns", action="store_true", help="do not run in a network namespace of its own")
     parser.add_argument("--json", metavar="FILE", help="also write the results (and raw samples) as JSON to FILE")
     return parser.parse_args(argv)

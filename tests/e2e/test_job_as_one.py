@@ -139,10 +139,11 @@ def test_a_failure_on_one_node_restarts_every_node_with_the_same_attempt(job_env
 
 
 def test_restarts_off_the_failing_node_keeps_its_code_and_the_others_exit_86_naming_it(job_env, job3):
-    for node in range(3):
-        job3.start(node, job3.env(job_env, node, FAIL="1.1=3", WORK=60))
+    for node in range(3):  # on a port of the job's choosing
+        job3.start(node, job3.env(job_env, node, FAIL="1.1=3", WORK=60, MA_RUNTIME_COORDINATOR_PORT=29811))
     codes = job3.wait()
     assert codes == [86, 3, 86], job3.report()
+    assert 'msg="coordination store started" Component=ma-runtime port=29811' in job3.stderr(0)
     origins = [job3.termination(node).get("origin") for node in range(3)]
     assert origins[0] == origins[1] == origins[2], origins
     origin = origins[0]

@@ -296,3 +296,30 @@ def test_a_record_round_trips_and_ignores_fields_it_does_not_know():
     record = failure(1)
     assert Failure.decoded(record.encoded()) == record
     assert Failure.decoded(record.encoded()[:-1] + b', "later": 1}') == record
+
+
+# --------------------------------------------------------------------------- worker-0's store
+
+
+def test_a_taken_port_is_one_line_naming_the_setting_and_exit_78(tmp_path):
+    import socket
+
+    from ma_runtime.errors import ConfigError
+
+    taken = socket.create_server(("", 0))
+    port = taken.getsockname()[1]
+    try:
+        spec = spec_module.load({}, {"MA_NUM_HOSTS": "2", "MA_RUNTIME_COORDINATOR_PORT": str(port)}, None)
+        with pytest.raises(ConfigError) as raised:
+            together._serve(spec, HOSTS[:2], Log())
+    finally:
+        taken.close()
+    assert raised.value.exit_code == 78
+    assert f"port {port}" in raised.value.reason and "MA_RUNTIME_COORDINATOR_PORT" in raised.value.hint
+
+
+def test_the_store_admits_the_jobs_nodes_and_loopback_only_and_looks_again_for_names_not_yet_resolved():
+    peers = together._JobPeers(["localhost", "not-yet.invalid", "task 3"])
+    assert peers("127.0.0.1") and peers("::ffff:127.0.0.1")
+    assert not peers("10.9.9.9")  # not one of the job's names: refused, and no exception for the bad name
+    assert not peers("10.9.9.9")  # looked again at most every DNS_AGAIN_SECONDS: no lookup storm
