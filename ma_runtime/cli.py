@@ -152,6 +152,7 @@ def _top_parser() -> _Parser:
                         add_help=False)
     commands.add_parser("plan", help="print the processes `run` would start for CMD, without starting them",
                         add_help=False)
+    commands.add_parser("manifest", help="print the Volcano Job for CMD (manifest volcano)", add_help=False)
     return parser
 
 
@@ -240,6 +241,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return ranktable_main(argv[1:])
     if argv and argv[0] == "plan":
         return plan_main(argv[1:])
+    if argv and argv[0] == "manifest":
+        from ma_runtime import manifest  # its own parser: the command after -- is not ours to parse
+
+        return manifest.main(argv[1:])
     options = _top_parser().parse_args(argv)
     if options.subcommand == "version":
         print(f"ma-runtime {__version__}")

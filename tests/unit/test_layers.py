@@ -28,7 +28,7 @@ LAYERS = (
     ("supervise",),
     ("stages",),
     ("cli", "commands", "bootstrap", "run_context", "attempt", "coordinator", "together", "verdict", "ending",
-     "termination", "__main__", "local"),
+     "termination", "__main__", "local", "manifest"),
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
