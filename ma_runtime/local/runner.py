@@ -269,7 +269,7 @@ class LocalRun:
                     faults.request_exit(self.faults_dir, pid, fault.code)
                 else:
                     faults.signal_process(pid, faults.SIGNALS[fault.kind])
-                return self._injected(fault, "", f"{label}, pid {pid}")
+                return self._injected(fault, "", label if label.startswith("pid ") else f"{label}, pid {pid}")
             time.sleep(0.2)
         self._injected(fault, f"node{fault.node} ended before rank {fault.rank} ran")
 

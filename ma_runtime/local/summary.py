@@ -56,7 +56,7 @@ class Summary:
     def text(self) -> str:
         lines = ["", "ma-runtime local: summary"]
         for index, code in enumerate(self.codes):
-            sync = self.final_sync.get(index, "not seen")
+            sync = self.final_sync.get(index, "none")
             lines.append(f"  node{index}: exit {code}, attempts {self.attempts.get(index, 0)}, final sync {sync}")
         lines.append(f"  verdict: {self.verdict()}")
         lines += [f"  fault: {line}" for line in self.injected]
