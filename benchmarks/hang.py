@@ -12,7 +12,7 @@ cost        One row group per --ranks count (default 8 and 64), each its own rou
             mpirun -np; RTF starts one worker per NPU, 8 or 16), and it makes the finder tell machinery (the
             agent, by its name) from ranks, as issue 24 requires. The monitor is the runtime's, run as the
             runtime runs it: `hang.configure` on a spec with the defaults (window 30 min, period 60 s) and the
-            fake nvidia-smi of tests/fakes (8 GPUs) first on PATH; its members are the supervisor's `_job`:
+            fake nvidia-smi of ma_runtime/local/fakes (8 GPUs) first on PATH; its members are the supervisor's `_job`:
             one `ranks.Finder()` kept across periods, `find({"torchrun": agent}, children.services(),
             processes(), NotTheCommand(..., services=True))` (a /proc/*/stat scan of the machine, the walk, each
             new process's cmdline and environment read once); each period is `Monitor._run`'s:
@@ -88,12 +88,14 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from ma_runtime.local.devices import FAKES
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness  # noqa: E402  (beside this script, not a package)
 
 PARTS = ("cost", "latency")
 PROJECT = harness.PROJECT
-FAKES = PROJECT / "tests" / "fakes"
+
 HANG_JOB = PROJECT / "tests" / "e2e" / "jobs" / "hang_job.py"
 RANK_TABLE = PROJECT / "tests" / "data" / "ranktable" / "one_server_8.template2.json"
 RANK_COUNTS, THREADS = ("8", "64"), 4  # ranks per row; threads per rank

@@ -1,7 +1,7 @@
 """All preflight checks on a healthy single node: wall time, against the shell it replaces.
 
 The node is this machine, plus 8 fake GPUs: /dev-style nodes in a temporary
-directory and tests/fakes/nvidia-smi on PATH, which prints the real tool's CSV.
+directory and ma_runtime/local/fakes/nvidia-smi on PATH, which prints the real tool's CSV.
 DNS has names to resolve (localhost, from a Volcano-style .host file) but no
 waits. ma_runtime runs from a wheel installed into a scratch venv
 (benchmarks/_harness.py; `--venv DIR` for another), so no editable-install hook
@@ -30,8 +30,10 @@ from typing import Any, Dict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness  # noqa: E402  (beside this script, not a package)
 
+from ma_runtime.local.devices import FAKES
+
 ROOT = Path(__file__).resolve().parent.parent
-FAKES = ROOT / "tests" / "fakes"
+
 BUDGET_MS = 200.0
 QUERY = "index,pci.bus_id,name,uuid,ecc.errors.uncorrected.volatile.total,retired_pages.pending"
 SHELL = f"""

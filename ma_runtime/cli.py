@@ -153,6 +153,8 @@ def _top_parser() -> _Parser:
     commands.add_parser("plan", help="print the processes `run` would start for CMD, without starting them",
                         add_help=False)
     commands.add_parser("manifest", help="print the Volcano Job for CMD (manifest volcano)", add_help=False)
+    commands.add_parser("local", help="rehearse a multi-node job on this machine (namespaces, a local object "
+                        "store, faults)", add_help=False)
     return parser
 
 
@@ -245,6 +247,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ma_runtime import manifest  # its own parser: the command after -- is not ours to parse
 
         return manifest.main(argv[1:])
+    if argv and argv[0] == "local":
+        from ma_runtime.local import runner
+
+        return runner.main(argv[1:])
     options = _top_parser().parse_args(argv)
     if options.subcommand == "version":
         print(f"ma-runtime {__version__}")

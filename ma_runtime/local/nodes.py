@@ -38,6 +38,7 @@ from typing import IO, Dict, Iterator, List, Optional, Sequence, Union
 SUBNET = "10.200.0"  # inside the namespaces only: the host never routes it
 PREFIX_LENGTH = 24
 MAX_NODES = 253  # the subnet's host addresses, .1 to .253
+SERVICE_ADDRESS = f"{SUBNET}.254"  # the switch's own address (`add_service_address`): a service every node reaches
 INTERFACE = "eth0"  # each node's link to the others, named as in a pod
 BRIDGE = "br0"
 ETC_NETNS = Path("/etc/netns")
@@ -139,6 +140,19 @@ class Nodes:
     def _hosts_file(self) -> str:
         lines = ["127.0.0.1 localhost"] + [f"{node.address} {node.host} {node.name}" for node in self.nodes]
         return "".join(line + "\n" for line in lines)
+
+    def add_service_address(self) -> str:
+        """Gives the bridge SERVICE_ADDRESS, so that a process started with `start_on_switch` (an object store) is
+        reached by every node there, still without touching the machine's own network."""
+        _ip("-n", self.switch, "addr", "add", f"{SERVICE_ADDRESS}/{PREFIX_LENGTH}", "dev", BRIDGE)
+        _ip("-n", self.switch, "link", "set", "lo", "up")
+        return SERVICE_ADDRESS
+
+    def start_on_switch(self, command: Sequence[str], **popen) -> subprocess.Popen:
+        """Starts `command` in the switch namespace (killed by `close` with the nodes' processes)."""
+        process = subprocess.Popen(["ip", "netns", "exec", self.switch, *command], start_new_session=True, **popen)
+        self.started.append(process)
+        return process
 
     def environment(self, index: int) -> Dict[str, str]:
         """The platform's variables of node `index` (docs/platform.md, "Environment variables")."""

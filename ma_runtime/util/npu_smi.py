@@ -1,6 +1,6 @@
 """The one reader of `npu-smi info`'s output, for the preflight (`preflight/npu`: how many NPUs, their health) and
 for supervision (`supervise/devices`: who holds a device between attempts, each chip's AICore for the hang
-detector). tests/fakes/npu-smi prints the real formats of each version.
+detector). ma_runtime/local/fakes/npu-smi prints the real formats of each version.
 
 Two tables: the NPU table, two rows per NPU (`| <npu> <name> | <Health> | ...` then its chips, `| <chip> [<phy id>] |
 <Bus-Id> | <AICore(%)> <memory> ... |`), then the process table (`| <npu> <chip> | <pid> | <name> | <memory> |`).

@@ -1,5 +1,5 @@
 """Hang detection (issue 13), end to end: real workers (tests/e2e/jobs/hang_job.py), the real runtime, the fake
-accelerator tools of tests/fakes reporting the utilisation the worker writes (FAKE_SMI_UTIL=@file).
+accelerator tools of ma_runtime/local/fakes reporting the utilisation the worker writes (FAKE_SMI_UTIL=@file).
 
 The window is 5 s (MA_RUNTIME_HANG_DETECT_SECONDS), so the period is 1 s and the start-up allowance 10 s.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from ma_runtime.local.devices import FAKES
 from tests.conftest import MA_RUN, ROOT, log_dir, run_ma, task_log
 from tests.e2e.test_restart_launchers import npu_job
 
-FAKES = ROOT / "tests" / "fakes"
 JOB = ROOT / "tests" / "e2e" / "jobs" / "hang_job.py"
 WINDOW = 5.0  # so the period is 1 s and the start-up allowance 10 s
 PYTHON = [sys.executable, str(JOB)]

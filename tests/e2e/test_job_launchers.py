@@ -15,13 +15,13 @@ import re
 
 import pytest
 
-from tests.conftest import ROOT, free_port, wait_for_file
+from ma_runtime.local.devices import FAKES
+from tests.conftest import free_port, wait_for_file
 from tests.e2e import test_mpirun as mpirun_tests
 from tests.e2e.test_job_as_one import GUARD, Job
 from tests.e2e.test_launchers import JOBS, MS_BIN, TORCH_BIN, needs_mindspore, needs_torch
 from tests.e2e.test_mpirun import needs_mpi
 
-FAKES = ROOT / "tests" / "fakes"
 trusted = mpirun_tests.trusted  # the fixture: the job's SSH trust files in a node's MA_HOME/.ssh
 
 

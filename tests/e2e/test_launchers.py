@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ma_runtime.launch import registry
+from ma_runtime.local.devices import FAKES
 from tests.conftest import MA_RUN, ROOT, alive, free_port, run_ma
 
 JOBS = ROOT / "tests" / "e2e" / "jobs"
@@ -193,7 +194,7 @@ def npu_job(job_env, tmp_path, devices=8, **extra):
     }
     source = tmp_path / "table.json"
     source.write_text(json.dumps(table))
-    writer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fakes" / "ranktable_writer.py"),
+    writer = subprocess.Popen([sys.executable, str(FAKES / "ranktable_writer.py"),
                                "--path", str(config / "jobstart_hccl.json"), "--table", str(source),
                                "--delay-create", "0.5", "--initializing", "0.5"], stdout=subprocess.DEVNULL)
     WRITERS.append(writer)

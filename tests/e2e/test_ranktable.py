@@ -14,12 +14,13 @@ import time
 
 import pytest
 
+from ma_runtime.local.devices import FAKES
 from ma_runtime.stages.ranktable import wait as table_wait
 from ma_runtime.stages.ranktable.model import RankTableTimeout
 from tests.conftest import MA_RUNTIME, ROOT, log_dir, run_ma
 
 DATA = ROOT / "tests" / "data" / "ranktable"
-WRITER = ROOT / "tests" / "fakes" / "ranktable_writer.py"
+WRITER = FAKES / "ranktable_writer.py"
 TERMINATION = "modelarts-job-local-worker-0-termination.json"
 # Variables of the machine running the tests that would change which node the table is read for.
 _RANK_VARIABLES = ("RANK_TABLE_FILE", "RANK_SIZE", "HOSTNAME", "MA_CURRENT_IP", "MA_CURRENT_INSTANCE_NAME",

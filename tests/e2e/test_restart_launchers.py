@@ -3,7 +3,7 @@ torchrun (gloo), real msrun (MindSpore CPU), and an RTF job with restarts off.
 
 The ranks are the jobs/restart_*.py scripts: each records its start (and how it ended) in MARKS and prints,
 as it starts, which processes of earlier attempts are still alive (jobs/restart_marks.py). The accelerator
-tool is the fake npu-smi of tests/fakes, listing the processes the ranks register in FAKE_SMI_PROCESS_DIR.
+tool is the fake npu-smi of ma_runtime/local/fakes, listing the processes the ranks register in FAKE_SMI_PROCESS_DIR.
 A plain command's restarts are in test_restarts.py.
 """
 
@@ -12,10 +12,10 @@ import os
 import re
 from pathlib import Path
 
+from ma_runtime.local.devices import FAKES
 from tests.conftest import ROOT, free_port, log_dir, run_ma, task_log
 from tests.e2e.test_launchers import JOBS, MS_BIN, TORCH_BIN, launcher_env, needs_mindspore, needs_torch
 
-FAKES = ROOT / "tests" / "fakes"
 TABLE = ROOT / "tests" / "data" / "ranktable" / "one_server_8.template2.json"
 DEVICES = 8
 FAILING_RANK = 3

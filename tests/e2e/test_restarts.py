@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ma_runtime.local.devices import FAKES
 from tests.conftest import MA_RUN, alive, log_dir, marked, run_ma, task_log, wait_for_file
 
 # Fails with 5 until MA_PROC_START_CNT reaches 3; every attempt leaves `<dir>/attempt-<N>`.
@@ -147,7 +148,7 @@ def test_a_runtime_killed_during_attempt_two_is_continued_by_the_next(job_env, t
 
 
 def test_a_stop_during_the_device_wait_ends_the_job_at_once(job_env, tmp_path):
-    fakes = Path(__file__).resolve().parent.parent / "fakes"
+    fakes = FAKES
     held = tmp_path / "npu-processes"
     held.mkdir()
     (held / f"0-{os.getpid()}").write_text("python")  # NPU 0 held for as long as this test runs

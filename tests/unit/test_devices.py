@@ -10,11 +10,11 @@ import pytest
 
 from ma_runtime import spec
 from ma_runtime.errors import DeviceNotReleased, ExitCode
+from ma_runtime.local.devices import FAKES
 from ma_runtime.supervise import devices
 from ma_runtime.supervise.devices import Holder
 from tests.unit.test_preflight_accelerators import NPU_SMI_SAMPLE
 
-FAKES = Path(__file__).resolve().parent.parent / "fakes"
 GPU_NODES = [f"nvidia{i}" for i in range(8)] + ["nvidiactl", "nvidia-uvm"]
 NPU_NODES = [f"davinci{i}" for i in range(8)] + ["davinci_manager", "devmm_svm", "hisi_hdc"]
 # A hung tool must end long before this; a wait of about 1 s must too.

@@ -3,11 +3,11 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from ma_runtime.local.devices import FAKES
 from ma_runtime.util import npu_smi
 
-FAKE = Path(__file__).resolve().parent.parent / "fakes" / "npu-smi"
+FAKE = FAKES / "npu-smi"
 
 
 def npu_smi_info(tmp_path, **variables) -> str:

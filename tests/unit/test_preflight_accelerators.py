@@ -1,4 +1,4 @@
-"""The gpu and npu checks against fake device nodes and the fake tools in tests/fakes."""
+"""The gpu and npu checks against fake device nodes and the fake tools in ma_runtime/local/fakes."""
 
 import os
 import sys
@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from ma_runtime import spec
+from ma_runtime.local.devices import FAKES
 from ma_runtime.stages.preflight import gpu, npu
 from ma_runtime.stages.preflight.model import Status
 from ma_runtime.util import accelerators, npu_smi
 
-FAKES = Path(__file__).resolve().parent.parent / "fakes"
 GPU_NODES = [f"nvidia{i}" for i in range(8)] + ["nvidiactl", "nvidia-uvm"]
 NPU_NODES = [f"davinci{i}" for i in range(8)] + ["davinci_manager", "devmm_svm", "hisi_hdc"]
 # The real `npu-smi info` of a two-card 910B server, as the brief documents it.

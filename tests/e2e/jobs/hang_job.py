@@ -1,6 +1,6 @@
 """A worker for the hang-detection tests; HANG_MODE says how it behaves.
 
-The accelerators are the fakes of tests/fakes: FAKE_SMI_UTIL=@UTIL_FILE, which this worker rewrites to
+The accelerators are the fakes of ma_runtime/local/fakes: FAKE_SMI_UTIL=@UTIL_FILE, which this worker rewrites to
 say how busy "its device" is (a device computing moves; a stuck one is flat). MARKS gets one file per start
 (`start-<attempt>-<rank>`), and `blocked-<attempt>-<rank>` with the wall-clock time when it stops making
 progress, so a test can tell how long detection took.

@@ -1,0 +1,82 @@
+"""Fake accelerators for `ma-runtime local --accelerator gpu|npu --devices K`: the job still runs on CPU.
+
+Each node gets the fake tools of fakes/ (the real tools' output formats; fakes/README.md) first on PATH, K device
+nodes (empty files) in a dev folder of its own named by MA_RUNTIME_PREFLIGHT_DEV_DIR, MA_NUM_GPUS=K and the
+preflight's accelerator check set to that accelerator. With npu, the rank table of the whole job (template two:
+every node's address and K devices, the rank ids in node order) is written by fakes/ranktable_writer.py into each
+node's RANK_TABLE_FILE folder as the platform does it: `initializing` first, then `completed`, in pieces.
+
+What it proves: the runtime's preflight, rank-table wait and conversion, and the launchers' plans and environment
+per device (rtf's RANK_ID 0..N*K-1) against the platform's formats. Not that the job's code runs on a device.
+The tests import FAKES from here, so the fakes are one copy.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+FAKES = Path(__file__).resolve().parent / "fakes"
+_DEVICE_NODES = {"gpu": ("nvidia{}", ("nvidiactl", "nvidia-uvm")),
+                 "npu": ("davinci{}", ("davinci_manager", "devmm_svm", "hisi_hdc"))}
+RANKTABLE_NAME = "jobstart_hccl.json"
+INITIALIZING_SECONDS = 2.0  # how long each node's table says initializing before it is completed
+
+
+def ranktable(nodes, devices: int) -> dict:
+    """Template two for `nodes` (a local.nodes.Nodes) with `devices` devices each, status completed."""
+    instances = [{"pod_name": node.name, "server_id": node.address,
+                  "devices": [{"device_id": str(device), "device_ip": f"192.168.{node.index + 1}.{device + 1}"}
+                              for device in range(devices)]}
+                 for node in nodes.nodes]
+    return {"status": "completed", "group_count": "1",
+            "group_list": [{"group_name": nodes.task, "device_count": str(devices * len(nodes.nodes)),
+                            "instance_count": str(len(nodes.nodes)), "instance_list": instances}]}
+
+
+class Devices:
+    def __init__(self, accelerator: str, count: int, scratch: Path, nodes):
+        self.accelerator, self.count, self.scratch, self.nodes = accelerator, count, scratch, nodes
+        self.writers: List[subprocess.Popen] = []
+
+    def environment(self, index: int) -> Dict[str, str]:
+        """Node `index`'s variables; its dev folder made. Nothing without an accelerator."""
+        if self.accelerator == "none":
+            return {}
+        pattern, extra = _DEVICE_NODES[self.accelerator]
+        dev = self.scratch / f"node{index}" / "dev"
+        dev.mkdir(parents=True, exist_ok=True)
+        for name in [pattern.format(device) for device in range(self.count)] + list(extra):
+            (dev / name).touch()
+        env = {"PATH": f"{FAKES}{os.pathsep}{os.environ.get('PATH', os.defpath)}", "MA_NUM_GPUS": str(self.count),
+               "MA_RUNTIME_PREFLIGHT_DEV_DIR": str(dev), "MA_RUNTIME_PREFLIGHT_ACCELERATOR": self.accelerator,
+               "FAKE_GPU_COUNT": str(self.count), "FAKE_NPU_COUNT": str(self.count)}
+        if self.accelerator == "npu":
+            env["RANK_TABLE_FILE"] = str(self._table_folder(index))
+        return env
+
+    def _table_folder(self, index: int) -> Path:
+        return self.scratch / f"node{index}" / "user-config"
+
+    def start(self) -> None:
+        """With npu: each node's table written, initializing then completed, as the platform does."""
+        if self.accelerator != "npu":
+            return
+        table = self.scratch / "ranktable-completed.json"
+        table.write_text(json.dumps(ranktable(self.nodes, self.count), indent=4) + "\n")
+        for index in range(len(self.nodes.nodes)):
+            folder = self._table_folder(index)
+            folder.mkdir(parents=True, exist_ok=True)
+            self.writers.append(subprocess.Popen(
+                [sys.executable, str(FAKES / "ranktable_writer.py"), "--path", str(folder / RANKTABLE_NAME),
+                 "--table", str(table), "--initializing", str(INITIALIZING_SECONDS)],
+                stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL))
+
+    def close(self) -> None:
+        for writer in self.writers:
+            if writer.poll() is None:
+                writer.kill()
+            writer.wait()
+        self.writers.clear()

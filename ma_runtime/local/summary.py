@@ -1,0 +1,80 @@
+"""The closing summary of `ma-runtime local`, and its exit code (docs/guides/local.md, "The summary").
+
+Read from what the nodes left: each runtime's exit code, its termination message (<out>/nodeN/termination-log,
+written on a non-zero exit), the attempts and the final sync from its log lines, and the objects in the store at
+the end, those the job wrote apart from those --data put there.
+"""
+
+import json
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
+
+from ma_runtime.local.store import fill_keys
+
+SHOWN_OBJECTS = 20  # objects listed by name; the rest are counted
+
+
+class Summary:
+    def __init__(self, out: Path, codes: Sequence[Optional[int]], attempts: Dict[int, int],
+                 final_sync: Dict[int, str], bucket: Sequence[Tuple[str, str, int]], injected: Sequence[str],
+                 data: Sequence[Tuple[str, str, str]]):
+        self.out, self.codes, self.attempts, self.final_sync = out, list(codes), attempts, final_sync
+        self.bucket, self.injected = list(bucket), list(injected)
+        self.filled = {(bucket_name, key) for bucket_name, prefix, source in data
+                       for _, key in fill_keys(prefix, Path(source))}
+        self.messages = [_message(out / f"node{index}" / "termination-log") for index in range(len(self.codes))]
+
+    def origin(self) -> Optional[dict]:
+        """The job's first failure as its nodes agreed on it (issue 26), from any node's message."""
+        for message in self.messages:
+            if message.get("origin"):
+                return message["origin"]
+        return None
+
+    def exit_code(self) -> int:
+        """Worker-0's code; where it only says another node failed first, that node's; where worker-0 succeeded,
+        the first other node's failure."""
+        origin = self.origin()
+        if origin is not None:
+            node = origin.get("task_index")
+            if isinstance(node, int) and 0 <= node < len(self.codes) and self.codes[node] not in (None, 0):
+                return int(self.codes[node])
+        if self.codes and self.codes[0] not in (None, 0):
+            return int(self.codes[0])
+        return next((int(code) for code in self.codes if code not in (None, 0)), 0)
+
+    def verdict(self) -> str:
+        first = self.messages[0] if self.messages else {}
+        origin = self.origin()
+        if origin is not None:
+            return (f"node{origin.get('task_index')} failed first ({origin.get('kind')}, exit "
+                    f"{origin.get('exit_code')}, attempt {origin.get('attempt')})")
+        if first:
+            return f"{first.get('category')}: {first.get('reason')}"
+        return "succeeded" if self.exit_code() == 0 else f"exit {self.exit_code()}"
+
+    def text(self) -> str:
+        lines = ["", "ma-runtime local: summary"]
+        for index, code in enumerate(self.codes):
+            sync = self.final_sync.get(index, "none")
+            lines.append(f"  node{index}: exit {code}, attempts {self.attempts.get(index, 0)}, final sync {sync}")
+        lines.append(f"  verdict: {self.verdict()}")
+        lines += [f"  fault: {line}" for line in self.injected]
+        written = [(bucket, key, size) for bucket, key, size in self.bucket if (bucket, key) not in self.filled]
+        lines.append(f"  bucket: {len(written)} object(s) written by the job, {len(self.bucket)} in all, "
+                     f"in {self.out / 'bucket'}")
+        lines += [f"    obs://{bucket}/{key} ({size} bytes)" for bucket, key, size in written[:SHOWN_OBJECTS]]
+        if len(written) > SHOWN_OBJECTS:
+            lines.append(f"    ... {len(written) - SHOWN_OBJECTS} more")
+        lines.append(f"  logs: {self.out}/node<N>/log, console.log, termination-log")
+        lines.append(f"  exit code: {self.exit_code()}")
+        return "\n".join(lines) + "\n"
+
+
+def _message(path: Path) -> dict:
+    try:
+        text = path.read_text(errors="replace").strip()
+        return json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {}
+

@@ -1,0 +1,152 @@
+"""`ma-runtime local` end to end: real `ma-run`s in network namespaces, moto's store in the switch namespace.
+
+What is asserted is what the user gets (the exit code, the summary, the files under --out, the bucket) and that
+nothing is left: no namespace of the run, no process of it. No timed assertion; GUARD only ends a broken run.
+"""
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ma_runtime.local import nodes as local_nodes
+from tests.conftest import MA_RUNTIME, marked
+
+_MISSING = local_nodes.missing()
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)} (ma_runtime/local/nodes.py)")
+pytest.importorskip("moto.server")
+GUARD = 180
+SCRIPT = f"train_{uuid.uuid4().hex[:12]}.py"  # a name no other process on the machine has
+
+# Reads its input (staged in from the bucket), writes a checkpoint on worker-0, then works WORK seconds on the
+# first attempt (long enough to be stopped or failed) and a moment on the others.
+TRAIN = r"""
+import argparse, os, sys, time
+parser = argparse.ArgumentParser()
+parser.add_argument("--data_url"); parser.add_argument("--train_url")
+args, _ = parser.parse_known_args()
+node, attempt = os.environ["VC_TASK_INDEX"], os.environ["MA_PROC_START_CNT"]
+print("node", node, "attempt", attempt, "read", open(os.path.join(args.data_url, "part-0.txt")).read().strip(),
+      flush=True)
+if node == "0":
+    os.makedirs(os.path.join(args.train_url, "ckpt"), exist_ok=True)
+    with open(os.path.join(args.train_url, "ckpt", "model.bin"), "w") as f:
+        f.write(f"weights of attempt {attempt}")
+    print("checkpoint written", flush=True)
+time.sleep(float(os.environ.get("WORK", "0")) if attempt == "1" else 0.2)
+"""
+
+JOB = """\
+inputs:
+  - name: data_url
+    url: obs://local-bkt/datasets/demo/
+outputs:
+  - name: train_url
+    url: obs://local-bkt/jobs/run-1/output/
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "part-0.txt").write_text("rows 1-100\n")
+    (tmp_path / SCRIPT).write_text(TRAIN)
+    (tmp_path / "job.yaml").write_text(JOB)
+    return tmp_path
+
+
+def local(workdir: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    environ = {name: value for name, value in os.environ.items() if not name.startswith(("MA_", "VC_"))}
+    environ.update({"MA_RUNTIME_PREFLIGHT": "off", **{name: str(value) for name, value in env.items()}})
+    return subprocess.run([MA_RUNTIME, "local", "--nodes", "2", "--config", "job.yaml",
+                           "--data", "obs://local-bkt/datasets/demo=./data", "--out", str(workdir / "out"), *args,
+                           "--", sys.executable, SCRIPT],
+                          cwd=workdir, env=environ, capture_output=True, text=True, timeout=GUARD)
+
+
+def assert_nothing_left(_result) -> None:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ma-local-" not in listed, listed
+    assert not list(Path("/etc/netns").glob("ma-local-*")) if Path("/etc/netns").exists() else True
+    assert not marked("ma_runtime.local.store"), "the store outlived the run"
+    assert not marked(SCRIPT), "a node's command outlived the run"
+
+
+def test_two_nodes_stage_in_from_the_bucket_and_the_checkpoint_comes_back_into_out(workdir):
+    result = local(workdir)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    out = workdir / "out"
+    for node in (0, 1):
+        assert f"[node{node}] node {node} attempt 1 read rows 1-100" in result.stdout
+        assert f"[node{node}] " in result.stdout and "input (data_url) download completed" in result.stdout
+        assert (out / f"node{node}" / "log" / f"modelarts-job-local-worker-{node}.log").exists()
+        assert (out / f"node{node}" / "console.log").read_text().count("attempt 1 read") == 1
+    checkpoint = out / "bucket" / "local-bkt" / "jobs" / "run-1" / "output" / "ckpt" / "model.bin"
+    assert checkpoint.read_text() == "weights of attempt 1"
+    summary = result.stdout[result.stdout.index("ma-runtime local: summary"):]
+    assert "node0: exit 0, attempts 1, final sync completed" in summary
+    assert "verdict: succeeded" in summary
+    assert "1 object(s) written by the job, 2 in all" in summary  # the input is not the job's
+    assert "obs://local-bkt/jobs/run-1/output/ckpt/model.bin (20 bytes)" in summary
+    assert summary.rstrip().endswith("exit code: 0")
+    assert not (out / "node0" / "home").exists()  # no --keep
+    assert_nothing_left(result)
+
+
+def test_an_exit_fault_restarts_every_node_together(workdir):
+    result = local(workdir, "--inject", "exit@1:code=3:after=1s", WORK=60, MA_RUNTIME_MAX_RESTARTS=1)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    assert "[node1] ma-runtime local: exit fault: exiting with code 3" in result.stdout
+    for node in (0, 1):
+        assert f"[node{node}] node {node} attempt 2 read rows 1-100" in result.stdout
+    summary = result.stdout[result.stdout.index("ma-runtime local: summary"):]
+    assert "node0: exit 0, attempts 2" in summary and "node1: exit 0, attempts 2" in summary
+    assert "fault: exit on node1 (rank 0 exits 3) at 1s: done" in summary
+    assert_nothing_left(result)
+
+
+def test_preempt_stops_every_node_with_143_after_the_final_sync(workdir):
+    result = local(workdir, "--inject", "preempt:after=5s", WORK=60)
+    assert result.returncode == 143, result.stdout[-4000:] + result.stderr
+    summary = result.stdout[result.stdout.index("ma-runtime local: summary"):]
+    assert "node0: exit 143, attempts 1, final sync completed" in summary
+    assert "node1: exit 143, attempts 1, final sync completed" in summary
+    checkpoint = workdir / "out" / "bucket" / "local-bkt" / "jobs" / "run-1" / "output" / "ckpt" / "model.bin"
+    assert checkpoint.exists(), summary
+    assert_nothing_left(result)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--inject", "kill@5"], "--inject 'kill@5': kill needs @NODE, a node index from 0 to 1 (--nodes 2)"),
+    (["--inject", "boom"], "unknown fault 'boom'"),
+    (["--image", "demo:latest"], "--image is not built yet"),
+    (["--data", "obs://b/x=./nowhere"], "./nowhere does not exist"),
+])
+def test_bad_usage_is_one_line_and_78(workdir, args, said):
+    result = local(workdir, *args)
+    assert result.returncode == 78, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and said in result.stderr, result.stderr
+    assert result.stderr.startswith("ma-runtime local: error: ")
+    assert not (workdir / "out").exists()
+
+
+def test_sigterm_to_the_runner_stops_the_job_and_leaves_nothing(workdir):
+    environ = {name: value for name, value in os.environ.items() if not name.startswith(("MA_", "VC_"))}
+    runner = subprocess.Popen([MA_RUNTIME, "local", "--nodes", "2", "--config", "job.yaml", "--data",
+                               "obs://local-bkt/datasets/demo=./data", "--out", str(workdir / "out"), "--",
+                               sys.executable, SCRIPT], cwd=workdir, env={**environ, "WORK": "120"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waiting = {"[node0] checkpoint written", "[node1] node 1 attempt 1 read"}  # both commands running
+    for line in runner.stdout:
+        waiting = {text for text in waiting if text not in line}
+        if not waiting:
+            break
+    runner.terminate()
+    out, err = runner.communicate(timeout=GUARD)
+    assert runner.returncode == 143, out[-3000:] + err
+    assert "node0: exit 143, attempts 1, final sync completed" in out
+    assert (workdir / "out" / "bucket" / "local-bkt" / "jobs" / "run-1" / "output" / "ckpt" / "model.bin").exists()
+    assert_nothing_left(runner)
