@@ -144,7 +144,7 @@ class EtcdBackend:
             client.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # gone after this file: a later test may count this process's children
 def etcd_server():
     if not os.access(ETCD, os.X_OK):
         pytest.skip(ETCD_MISSING.format(what=f"{ETCD}"))
