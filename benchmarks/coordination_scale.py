@@ -133,8 +133,9 @@ class SimNode:
             main.first_attempt(ATTEMPT)
             main.join(number, {"starting": 0.1, "waiting for the other nodes": 0.0})
             self.joined_at = time.time()
-            if not main.released(number, 600):
-                raise RuntimeError("the barrier timed out")
+            ended = main.released(number, 600)  # "": every node joined; None: timed out; else why it ended
+            if ended != "":
+                raise RuntimeError(f"the barrier did not release: {ended or 'timed out'}")
             self.released_at = time.time()
             watch = self.states["watch"]
             # Worker-0 renews its wait every LOOK_SECONDS to look for lost nodes; the others every --look-seconds
@@ -514,6 +515,10 @@ def main(argv: Sequence[str]) -> int:
         with open(args.json, "w") as handle:
             json.dump({"environment": info, **results, "samples": samples}, handle, indent=2,
                       default=harness.to_json)
+    failed = [name for name, runs in samples.items() if any(run.result.get("error") for run in runs)]
+    if failed:  # a figure from some rounds only would not be worth quoting
+        print(f"FAILED rounds in: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
