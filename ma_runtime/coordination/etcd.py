@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ma_runtime.coordination.embedded.frames import VALUE_LIMIT
-from ma_runtime.coordination.store import Store, StoreUnavailable, checked_key, checked_ttl
+from ma_runtime.coordination.store import Store, StoreUnavailable, checked_key, checked_ttl, checked_wait
 from ma_runtime.errors import ConfigError
 
 SCHEME = "etcd://"
@@ -146,9 +146,7 @@ class EtcdStore(Store):
         return self._request("compare_and_set", swap)
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        keys = [checked_key(key) for key in ([keys] if isinstance(keys, str) else keys)]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
-            raise ValueError(f"a wait's timeout is a finite number of seconds, not {timeout!r}")
+        keys = checked_wait(keys, timeout)
         if not keys:
             return True
         wanted = {self._full(key) for key in keys}

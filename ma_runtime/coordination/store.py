@@ -96,6 +96,15 @@ def checked_key(key: str) -> str:
     return key
 
 
+def checked_wait(keys: Sequence[str], timeout: float) -> List[str]:
+    """The keys of a `wait` (one key alone is a list of one), each checked, when `timeout` is a finite number of
+    seconds; else ValueError."""
+    keys = [checked_key(key) for key in ([keys] if isinstance(keys, str) else keys)]
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
+        raise ValueError(f"a wait's timeout is a finite number of seconds, not {timeout!r}")
+    return keys
+
+
 def checked_ttl(ttl: Optional[float]) -> Optional[float]:
     """`ttl` when it is None or a positive number of seconds, else ValueError."""
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0

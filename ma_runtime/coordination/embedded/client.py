@@ -2,7 +2,6 @@
 resent write is applied once: the package's docstring)."""
 
 import base64
-import math
 import os
 import socket
 import threading
@@ -10,7 +9,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ma_runtime.coordination.embedded.frames import VALUE_LIMIT, FrameError, FrameReader, address_text, encode_frame
-from ma_runtime.coordination.store import Store, StoreUnavailable, checked_key, checked_ttl
+from ma_runtime.coordination.store import Store, StoreUnavailable, checked_key, checked_ttl, checked_wait
 
 # --------------------------------------------------------------------------- the client
 
@@ -55,9 +54,7 @@ class EmbeddedStoreClient(Store):
                            "v": _encoded(value), "ttl": checked_ttl(ttl)})
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        keys = [checked_key(key) for key in ([keys] if isinstance(keys, str) else keys)]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
-            raise ValueError(f"a wait's timeout is a finite number of seconds, not {timeout!r}")
+        keys = checked_wait(keys, timeout)
         if not keys:
             return True
         return self._call({"op": "wait", "ks": keys, "t": max(float(timeout), 0.0)}, extra=max(timeout, 0.0))
