@@ -5,6 +5,7 @@ nothing is left: no namespace of the run, no process of it. No timed assertion; 
 """
 
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -64,6 +65,14 @@ def local(workdir: Path, *args: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([MA_RUNTIME, "local", "--nodes", "2", "--config", "job.yaml",
                            "--data", "obs://local-bkt/datasets/demo=./data", "--out", str(workdir / "out"), *args,
                            "--", sys.executable, SCRIPT],
+                          cwd=workdir, env=environ, capture_output=True, text=True, timeout=GUARD)
+
+
+def local_command(workdir: Path, args, command, **env) -> subprocess.CompletedProcess:
+    """`ma-runtime local ARGS -- COMMAND` without the job file and data of `local`."""
+    environ = {name: value for name, value in os.environ.items() if not name.startswith(("MA_", "VC_"))}
+    environ.update({name: str(value) for name, value in env.items()})
+    return subprocess.run([MA_RUNTIME, "local", "--out", str(workdir / "out"), *args, "--", *command],
                           cwd=workdir, env=environ, capture_output=True, text=True, timeout=GUARD)
 
 
@@ -150,3 +159,26 @@ def test_sigterm_to_the_runner_stops_the_job_and_leaves_nothing(workdir):
     assert "node0: exit 143, attempts 1, final sync completed" in out
     assert (workdir / "out" / "bucket" / "local-bkt" / "jobs" / "run-1" / "output" / "ckpt" / "model.bin").exists()
     assert_nothing_left(runner)
+
+
+def test_npu_two_nodes_of_eight_devices_start_sixteen_ranks_from_the_rank_table_the_box_wrote(workdir):
+    # No MA_RUN_METHOD: an NPU job (RANK_TABLE_FILE set) gets rtf, as on the platform.
+    show = f"import os; print('{SCRIPT}', 'node', os.environ['VC_TASK_INDEX'], 'rank_id', os.environ['RANK_ID'], " \
+           "'of', os.environ['RANK_SIZE'], 'device', os.environ['DEVICE_ID'])"
+    result = local_command(workdir, ["--nodes", "2", "--accelerator", "npu", "--devices", "8"],
+                           [sys.executable, "-c", show])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    lines = result.stdout.splitlines()
+    for node in (0, 1):
+        started = [line for line in lines if line.startswith(f"[node{node}] ") and 'msg="starting command"' in line]
+        assert len(started) == 1 and "method=rtf processes=8" in started[0], started
+        # The box wrote the table initializing, then completed: the runtime waited, then read both servers.
+        waited = [line for line in lines if line.startswith(f"[node{node}] ") and 'msg="rank table wait' in line]
+        ready = [line for line in lines if line.startswith(f"[node{node}] ") and 'msg="rank table ready"' in line]
+        assert len(waited) == 1 and len(ready) == 1 and "servers=2 rank_size=16" in ready[0], waited + ready
+    found = re.compile(rf"\[node(\d)\] \[rank-(\d+)\] {SCRIPT} node (\d) rank_id (\d+) of 16 device (\d+)$")
+    printed = sorted(tuple(map(int, match.groups())) for match in map(found.match, lines) if match)
+    # One line per rank, rank ids in node order (node0 0-7, node1 8-15), each on its node's device rank % 8.
+    assert printed == [(rank // 8, rank, rank // 8, rank, rank % 8) for rank in range(16)], printed
+    assert "node0: exit 0, attempts 1" in result.stdout and "node1: exit 0, attempts 1" in result.stdout
+    assert_nothing_left(result)
