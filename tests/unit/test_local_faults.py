@@ -1,8 +1,15 @@
 """`ma-runtime local --inject FAULT`: the parser, every kind and every way a value can be wrong."""
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
+from ma_runtime.local import faults
 from ma_runtime.local.faults import BadFault, Fault, parse
+from ma_runtime.supervise.stacks import registry as stacks_registry
 
 
 @pytest.mark.parametrize("text, fault", [
@@ -43,3 +50,28 @@ def test_a_bad_fault_says_what_is_wrong(text, said):
     message = str(raised.value)
     assert said in message and "\n" not in message
     assert message.startswith(f"--inject {text!r}")
+
+
+@pytest.mark.parametrize("order", ["as the runtime starts a rank", "the other way round"])
+def test_the_exit_fault_s_sitecustomize_chains_once_with_the_runtime_s_and_the_image_s(tmp_path, order):
+    # Two sitecustomizes that each skipped only their own folder ran each other in turn until Python's recursion
+    # limit: 98 exit-fault threads and 49 stack registrations in every rank of a local run.
+    image_site = tmp_path / "image-site"
+    image_site.mkdir()
+    (image_site / "sitecustomize.py").write_text(
+        "import os\nwith open(os.environ['IMAGE_MARKS'], 'a') as f:\n    f.write('ran\\n')\n")
+    folders = [str(stacks_registry.SITE_DIR), str(faults.SITE_DIR)]
+    if order == "the other way round":
+        folders.reverse()
+    marks = tmp_path / "marks"
+    (tmp_path / "stacks").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*folders, str(image_site)]), "IMAGE_MARKS": str(marks),
+           faults.FAULTS_DIR_ENV: str(tmp_path), "MA_PROC_START_CNT": "1",
+           "MA_RUNTIME_STACKS_DIR": str(tmp_path / "stacks"), "MA_RUNTIME_STACKS_SIGNAL": str(signal.SIGRTMIN + 4)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import threading; print(sum(thread.name == 'ma-local-exit-fault' "
+                               "for thread in threading.enumerate()), threading.active_count())"],
+        env=env, capture_output=True, text=True, timeout=30)
+    assert probe.returncode == 0 and probe.stderr == "", probe.stderr
+    assert probe.stdout.split() == ["1", "2"]  # the exit fault's watcher, once, and the main thread
+    assert marks.read_text() == "ran\n"  # the image's own, once

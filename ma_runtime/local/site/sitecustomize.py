@@ -44,7 +44,12 @@ def _start():
 
 def _chain_next():
     here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
-    others = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
+    folders = [os.path.realpath(entry or os.curdir) for entry in sys.path]
+    # The next one is after this folder on the path: `site` ran the first, each runs the one after it. Those
+    # before it ran already; one that skipped only itself would run them again, and two such (the runtime's
+    # and `ma-runtime local`'s) ran each other in turn until the recursion limit.
+    start = folders.index(here) + 1 if here in folders else 0
+    others = [entry for entry, folder in zip(sys.path[start:], folders[start:]) if folder != here]
     try:
         import importlib.machinery
         import importlib.util
