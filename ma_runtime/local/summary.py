@@ -47,8 +47,10 @@ class Summary:
         first = self.messages[0] if self.messages else {}
         origin = self.origin()
         if origin is not None:
-            return (f"node{origin.get('task_index')} failed first ({origin.get('kind')}, exit "
-                    f"{origin.get('exit_code')}, attempt {origin.get('attempt')})")
+            # A lost node has no exit code its peers saw.
+            code = f", exit {origin['exit_code']}" if origin.get("exit_code") is not None else ""
+            return f"node{origin.get('task_index')} failed first ({origin.get('kind')}{code}, " \
+                   f"attempt {origin.get('attempt')})"
         if first:
             return f"{first.get('category')}: {first.get('reason')}"
         return "succeeded" if self.exit_code() == 0 else f"exit {self.exit_code()}"

@@ -40,6 +40,14 @@ if node == "0":
 time.sleep(float(os.environ.get("WORK", "0")) if attempt == "1" else 0.2)
 """
 
+# Says a step every half second for STEPS steps: the progress the hang detector follows (MA_RUNTIME_PROGRESS_PATTERN).
+STEPS = r"""
+import os, time
+for step in range(int(os.environ.get("STEPS", "60"))):
+    print("node", os.environ["VC_TASK_INDEX"], "step", step, flush=True)
+    time.sleep(0.5)
+"""
+
 JOB = """\
 inputs:
   - name: data_url
@@ -55,6 +63,7 @@ def workdir(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "part-0.txt").write_text("rows 1-100\n")
     (tmp_path / SCRIPT).write_text(TRAIN)
+    (tmp_path / f"steps_{SCRIPT}").write_text(STEPS)
     (tmp_path / "job.yaml").write_text(JOB)
     return tmp_path
 
@@ -181,4 +190,50 @@ def test_npu_two_nodes_of_eight_devices_start_sixteen_ranks_from_the_rank_table_
     # One line per rank, rank ids in node order (node0 0-7, node1 8-15), each on its node's device rank % 8.
     assert printed == [(rank // 8, rank, rank // 8, rank, rank % 8) for rank in range(16)], printed
     assert "node0: exit 0, attempts 1" in result.stdout and "node1: exit 0, attempts 1" in result.stdout
+    assert_nothing_left(result)
+
+
+def summary_of(result) -> str:
+    return result.stdout[result.stdout.index("ma-runtime local: summary"):]
+
+
+def test_a_kill_fault_is_a_crash_of_that_node_s_rank_and_the_job_fails_with_its_code(workdir):
+    result = local(workdir, "--inject", "kill@1:after=1s", WORK=60, MA_RUNTIME_MAX_RESTARTS=0)
+    assert result.returncode == 137, result.stdout[-4000:] + result.stderr
+    summary = summary_of(result)
+    assert "node0: exit 86, attempts 1" in summary and "node1: exit 137, attempts 1" in summary
+    assert "verdict: node1 failed first (" in summary and "exit 137, attempt 1)" in summary
+    assert "fault: kill on node1 (SIGKILL to rank 0) at 1s: done (pid " in summary
+    assert_nothing_left(result)
+
+
+def test_a_hang_fault_stops_the_rank_and_the_hang_detector_ends_the_job_with_83(workdir):
+    result = local_command(workdir, ["--nodes", "2", "--inject", "hang@1:after=2s"],
+                           [sys.executable, f"steps_{SCRIPT}"], MA_RUNTIME_PREFLIGHT="off",
+                           MA_RUNTIME_HANG_DETECT="on", MA_RUNTIME_HANG_DETECT_SECONDS=5,
+                           MA_RUNTIME_PROGRESS_PATTERN=r"step \d+", MA_RUNTIME_HANG_RESTARTS=0,
+                           MA_RUNTIME_MAX_RESTARTS=0, MA_RUNTIME_STOP_GRACE_SECONDS=2)
+    assert result.returncode == 83, result.stdout[-4000:] + result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[node1] ") and 'msg="job suspected hung"' in line for line in lines)
+    assert any(line.startswith("[node1] ") and "it is stopped (SIGSTOP)" in line for line in lines)
+    summary = summary_of(result)
+    assert "node0: exit 86, attempts 1" in summary and "node1: exit 83, attempts 1" in summary
+    assert "fault: hang on node1 (SIGSTOP to rank 0) at 2s: done (pid " in summary
+    assert_nothing_left(result)
+
+
+def test_a_netdrop_fault_cuts_the_node_off_and_its_peers_find_it_lost(workdir):
+    result = local_command(workdir, ["--nodes", "2", "--inject", "netdrop@1:after=2s"],
+                           [sys.executable, f"steps_{SCRIPT}"], MA_RUNTIME_PREFLIGHT="off",
+                           MA_RUNTIME_NODE_LOST_SECONDS=5, MA_RUNTIME_MAX_RESTARTS=0)
+    # Every node stops for the job: node0 finds node1 lost, node1 its coordinator (on node0) unreachable.
+    assert result.returncode == 86, result.stdout[-4000:] + result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[node0] ") and "(task 1) was lost: no heartbeat" in line for line in lines)
+    assert any(line.startswith("[node1] ") and "Network is unreachable" in line for line in lines)
+    summary = summary_of(result)
+    assert "node0: exit 86, attempts 1" in summary and "node1: exit 86, attempts 1" in summary
+    assert "verdict: node1 failed first (lost, attempt 1)" in summary
+    assert "fault: netdrop on node1 (eth0 down) at 2s: done" in summary
     assert_nothing_left(result)
