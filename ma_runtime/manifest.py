@@ -99,14 +99,21 @@ NO_POLICY: Dict[int, str] = {
 }
 
 
-def action_for(exit_code: Optional[int] = None, event: str = "PodFailed") -> str:
-    """The action the manifest's policies give a pod failure with `exit_code` (or `event`): `SyncJob` when none
-    matches (ma-runtime local's summary names it)."""
+def policy_for(exit_code: Optional[int] = None, event: str = "PodFailed") -> Optional[Policy]:
+    """The policy Volcano would match first for a pod failure with `exit_code` (or for `event`), None when none
+    does (ma-runtime local's summary names it)."""
     for policy in POLICIES:
         if (policy.event is not None and policy.event == event) or (
                 policy.exit_code is not None and event == "PodFailed" and policy.exit_code == exit_code):
-            return policy.action
-    return "SyncJob"
+            return policy
+    return None
+
+
+def action_for(exit_code: Optional[int] = None, event: str = "PodFailed") -> str:
+    """The action the manifest's policies give a pod failure with `exit_code` (or `event`): `SyncJob` when none
+    matches."""
+    policy = policy_for(exit_code, event)
+    return policy.action if policy is not None else "SyncJob"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Read from what the nodes left: each runtime's exit code, its termination message (<out>/nodeN/termination-log,
 written on a non-zero exit), the attempts and the final sync from its log lines, and the objects in the store at
-the end, those the job wrote apart from those --data put there.
+the end, those the job wrote apart from those --data put there. The Volcano line: what the lifecycle policies of
+`ma-runtime manifest volcano` (manifest.POLICIES, docs/guides/volcano.md) would do with the nodes' exit codes.
 """
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
 from ma_runtime.local.store import fill_keys
+from ma_runtime.manifest import policy_for
 
 SHOWN_OBJECTS = 20  # objects listed by name; the rest are counted
 
@@ -55,12 +57,36 @@ class Summary:
             return f"{first.get('category')}: {first.get('reason')}"
         return "succeeded" if self.exit_code() == 0 else f"exit {self.exit_code()}"
 
+    def volcano(self) -> str:
+        """Which policy of the Volcano Job would fire for the pods' exit codes, and for which node."""
+        failed = [(index, int(code)) for index, code in enumerate(self.codes) if code not in (None, 0)]
+        if not failed:
+            return "no policy fires (every pod exited 0: the job completes)"
+        fired, unmatched = [], []
+        for index, code in failed:
+            policy = policy_for(exit_code=code)
+            if policy is None:
+                unmatched.append(f"node{index}'s exit {code}")
+            else:
+                fired.append(f"{policy.action} for node{index}'s exit {code} ({policy.why})")
+        origin = self.origin() or {}
+        evicted = policy_for(event="PodEvicted")
+        if origin.get("kind") == "lost" and evicted is not None:
+            # A lost node's pod ends when Kubernetes evicts it from that node: the event's policy, not a code's.
+            fired.append(f"{evicted.action} if node{origin.get('task_index')}'s pod is evicted from its lost node "
+                         "(PodEvicted)")
+        if unmatched:
+            # Volcano then only syncs the job, which fails once every pod has ended.
+            fired.append(f"no policy for {', '.join(unmatched)}" + ("" if fired else ": the job fails"))
+        return "; ".join(fired)
+
     def text(self) -> str:
         lines = ["", "ma-runtime local: summary"]
         for index, code in enumerate(self.codes):
             sync = self.final_sync.get(index, "none")
             lines.append(f"  node{index}: exit {code}, attempts {self.attempts.get(index, 0)}, final sync {sync}")
         lines.append(f"  verdict: {self.verdict()}")
+        lines.append(f"  volcano: {self.volcano()}")
         lines += [f"  fault: {line}" for line in self.injected]
         written = [(bucket, key, size) for bucket, key, size in self.bucket if (bucket, key) not in self.filled]
         lines.append(f"  bucket: {len(written)} object(s) written by the job, {len(self.bucket)} in all, "

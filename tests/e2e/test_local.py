@@ -107,6 +107,7 @@ def test_two_nodes_stage_in_from_the_bucket_and_the_checkpoint_comes_back_into_o
     summary = result.stdout[result.stdout.index("ma-runtime local: summary"):]
     assert "node0: exit 0, attempts 1, final sync completed" in summary
     assert "verdict: succeeded" in summary
+    assert "volcano: no policy fires (every pod exited 0: the job completes)" in summary
     assert "1 object(s) written by the job, 2 in all" in summary  # the input is not the job's
     assert "obs://local-bkt/jobs/run-1/output/ckpt/model.bin (20 bytes)" in summary
     assert summary.rstrip().endswith("exit code: 0")
@@ -204,6 +205,7 @@ def test_a_kill_fault_is_a_crash_of_that_node_s_rank_and_the_job_fails_with_its_
     assert "node0: exit 86, attempts 1" in summary and "node1: exit 137, attempts 1" in summary
     assert "verdict: node1 failed first (" in summary and "exit 137, attempt 1)" in summary
     assert "fault: kill on node1 (SIGKILL to rank 0) at 1s: done (pid " in summary
+    assert "volcano: no policy for node0's exit 86, node1's exit 137: the job fails" in summary
     assert_nothing_left(result)
 
 
@@ -220,6 +222,7 @@ def test_a_hang_fault_stops_the_rank_and_the_hang_detector_ends_the_job_with_83(
     summary = summary_of(result)
     assert "node0: exit 86, attempts 1" in summary and "node1: exit 83, attempts 1" in summary
     assert "fault: hang on node1 (SIGSTOP to rank 0) at 2s: done (pid " in summary
+    assert "volcano: RestartJob for node1's exit 83 (hang detected" in summary
     assert_nothing_left(result)
 
 
@@ -236,4 +239,5 @@ def test_a_netdrop_fault_cuts_the_node_off_and_its_peers_find_it_lost(workdir):
     assert "node0: exit 86, attempts 1" in summary and "node1: exit 86, attempts 1" in summary
     assert "verdict: node1 failed first (lost, attempt 1)" in summary
     assert "fault: netdrop on node1 (eth0 down) at 2s: done" in summary
+    assert "volcano: RestartJob if node1's pod is evicted from its lost node (PodEvicted)" in summary
     assert_nothing_left(result)
