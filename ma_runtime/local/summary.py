@@ -2,13 +2,15 @@
 
 Read from what the nodes left: each runtime's exit code, its termination message (<out>/nodeN/termination-log,
 written on a non-zero exit), the attempts and the final sync from its log lines, and the objects in the store at
-the end, those the job wrote apart from those --data put there. The Volcano line: what the lifecycle policies of
+the end, those the job wrote apart from those --data put there. The stacks: the folders of
+stack dumps the runtimes took of a hung attempt (`<task log stem>-stacks/attempt-N/` in each node's log directory,
+<out>/nodeN/log). The Volcano line: what the lifecycle policies of
 `ma-runtime manifest volcano` (manifest.POLICIES, docs/guides/volcano.md) would do with the nodes' exit codes.
 """
 
 import json
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ma_runtime.local.store import fill_keys
 from ma_runtime.manifest import policy_for
@@ -80,6 +82,17 @@ class Summary:
             fired.append(f"no policy for {', '.join(unmatched)}" + ("" if fired else ": the job fails"))
         return "; ".join(fired)
 
+    def stacks(self) -> List[str]:
+        """Each folder of stack dumps under <out>/nodeN/log, by node and attempt (supervise/attempt_processes.py)."""
+        found = []
+        for index in range(len(self.codes)):
+            folders = (self.out / f"node{index}" / "log").glob("*-stacks/attempt-*")
+            for folder in sorted(folders, key=_attempt_number):
+                dumps = [entry for entry in folder.iterdir() if entry.is_file()]
+                if dumps:
+                    found.append(f"node{index} attempt {_attempt_number(folder)}: {len(dumps)} file(s) in {folder}")
+        return found
+
     def text(self) -> str:
         lines = ["", "ma-runtime local: summary"]
         for index, code in enumerate(self.codes):
@@ -94,9 +107,15 @@ class Summary:
         lines += [f"    obs://{bucket}/{key} ({size} bytes)" for bucket, key, size in written[:SHOWN_OBJECTS]]
         if len(written) > SHOWN_OBJECTS:
             lines.append(f"    ... {len(written) - SHOWN_OBJECTS} more")
+        lines += [f"  stacks: {line}" for line in self.stacks()]
         lines.append(f"  logs: {self.out}/node<N>/log, console.log, termination-log")
         lines.append(f"  exit code: {self.exit_code()}")
         return "\n".join(lines) + "\n"
+
+
+def _attempt_number(folder: Path) -> int:
+    number = folder.name.rpartition("-")[2]
+    return int(number) if number.isdigit() else 0
 
 
 def _message(path: Path) -> dict:

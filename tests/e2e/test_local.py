@@ -223,6 +223,11 @@ def test_a_hang_fault_stops_the_rank_and_the_hang_detector_ends_the_job_with_83(
     assert "node0: exit 86, attempts 1" in summary and "node1: exit 83, attempts 1" in summary
     assert "fault: hang on node1 (SIGSTOP to rank 0) at 2s: done (pid " in summary
     assert "volcano: RestartJob for node1's exit 83 (hang detected" in summary
+    # node0 stopped for node1's hang took its rank's stack (node1's rank, stopped, could not answer), under --out.
+    stacks = workdir / "out" / "node0" / "log" / "modelarts-job-local-worker-0-stacks" / "attempt-1"
+    dumps = list(stacks.glob("pid-*.txt"))
+    assert len(dumps) == 1 and f"steps_{SCRIPT}" in dumps[0].read_text(), dumps
+    assert f"stacks: node0 attempt 1: 1 file(s) in {stacks}" in summary
     assert_nothing_left(result)
 
 

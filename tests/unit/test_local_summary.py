@@ -43,3 +43,22 @@ def test_the_volcano_line_names_the_policy_that_would_fire_for_each_node(tmp_pat
 def test_a_lost_node_s_verdict_has_no_exit_code(tmp_path):
     report = summary(tmp_path, [86, 86], {"task_index": 1, "kind": "lost", "exit_code": None, "attempt": 1})
     assert report.verdict() == "node1 failed first (lost, attempt 1)"
+
+
+def test_the_stack_dumps_under_each_node_s_log_are_listed_by_node_and_attempt(tmp_path):
+    report = summary(tmp_path, [86, 83])
+    for node, attempt, names in ((1, 10, ["pid-7-python.txt"]), (1, 2, ["pid-5-python.txt", "summary.txt"]),
+                                 (0, 2, []), (0, 1, ["pid-3-python.txt"])):
+        folder = tmp_path / f"node{node}" / "log" / f"modelarts-job-local-worker-{node}-stacks" / f"attempt-{attempt}"
+        folder.mkdir(parents=True)
+        for name in names:
+            (folder / name).write_text("Thread 0x1 (most recent call first):\n")
+    stacks = tmp_path / "node{}" / "log" / "modelarts-job-local-worker-{}-stacks" / "attempt-{}"
+    assert report.stacks() == [f"node0 attempt 1: 1 file(s) in {str(stacks).format(0, 0, 1)}",
+                               f"node1 attempt 2: 2 file(s) in {str(stacks).format(1, 1, 2)}",
+                               f"node1 attempt 10: 1 file(s) in {str(stacks).format(1, 1, 10)}"]
+    assert f"\n  stacks: node1 attempt 10: 1 file(s) in {str(stacks).format(1, 1, 10)}\n" in report.text()
+
+
+def test_no_stacks_line_when_no_dump_was_taken(tmp_path):
+    assert "stacks:" not in summary(tmp_path, [0, 0]).text()
