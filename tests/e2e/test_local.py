@@ -6,6 +6,7 @@ nothing is left: no namespace of the run, no process of it. No timed assertion; 
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -152,21 +153,44 @@ def test_bad_usage_is_one_line_and_78(workdir, args, said):
     assert not (workdir / "out").exists()
 
 
-def test_sigterm_to_the_runner_stops_the_job_and_leaves_nothing(workdir):
+def start_runner(workdir: Path) -> subprocess.Popen:
+    """The runner in a session of its own (as in a terminal, its nodes in its process group), once both nodes'
+    commands run."""
     environ = {name: value for name, value in os.environ.items() if not name.startswith(("MA_", "VC_"))}
     runner = subprocess.Popen([MA_RUNTIME, "local", "--nodes", "2", "--config", "job.yaml", "--data",
                                "obs://local-bkt/datasets/demo=./data", "--out", str(workdir / "out"), "--",
                                sys.executable, SCRIPT], cwd=workdir, env={**environ, "WORK": "120"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     waiting = {"[node0] checkpoint written", "[node1] node 1 attempt 1 read"}  # both commands running
     for line in runner.stdout:
         waiting = {text for text in waiting if text not in line}
         if not waiting:
             break
+    return runner
+
+
+def test_sigterm_to_the_runner_stops_the_job_and_leaves_nothing(workdir):
+    runner = start_runner(workdir)
     runner.terminate()
     out, err = runner.communicate(timeout=GUARD)
     assert runner.returncode == 143, out[-3000:] + err
     assert "node0: exit 143, attempts 1, final sync completed" in out
+    assert (workdir / "out" / "bucket" / "local-bkt" / "jobs" / "run-1" / "output" / "ckpt" / "model.bin").exists()
+    assert_nothing_left(runner)
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to the runner", "to its process group, as a terminal"])
+def test_ctrl_c_stops_the_job_as_sigterm_does_and_leaves_nothing(workdir, to_group):
+    runner = start_runner(workdir)
+    if to_group:
+        os.killpg(runner.pid, signal.SIGINT)
+    else:
+        runner.send_signal(signal.SIGINT)
+    out, err = runner.communicate(timeout=GUARD)
+    assert runner.returncode == 130, out[-3000:] + err
+    assert "Traceback" not in out + err, out[-3000:] + err
+    for node in (0, 1):
+        assert f"node{node}: exit 143, attempts 1, final sync completed" in out, out[-3000:]
     assert (workdir / "out" / "bucket" / "local-bkt" / "jobs" / "run-1" / "output" / "ckpt" / "model.bin").exists()
     assert_nothing_left(runner)
 
