@@ -185,10 +185,7 @@ def test_a_node_that_never_joins_ends_the_others_with_81_naming_it(job_env, job3
 def test_a_node_whose_runtime_is_killed_is_lost_and_the_others_exit_86_naming_it(job_env, job3):
     for node in range(3):
         job3.start(node, job3.env(job_env, node, WORK=120))
-    deadline = time.monotonic() + GUARD
-    while not all(job3.ran(node, 1) for node in range(3)):
-        assert time.monotonic() < deadline, job3.report()
-        time.sleep(0.1)
+    _wait_running(job3, range(3))
     runtime_2 = _runtime_pid(job3.processes[2].pid)
     os.kill(runtime_2, signal.SIGKILL)
     codes = job3.wait()
@@ -202,10 +199,7 @@ def test_a_node_whose_runtime_is_killed_is_lost_and_the_others_exit_86_naming_it
 def test_worker_0s_runtime_killed_ends_the_others_with_86_coordinator_lost(job_env, job3):
     for node in range(3):
         job3.start(node, job3.env(job_env, node, WORK=120))
-    deadline = time.monotonic() + GUARD
-    while not all(job3.ran(node, 1) for node in range(3)):
-        assert time.monotonic() < deadline, job3.report()
-        time.sleep(0.1)
+    _wait_running(job3, range(3))
     os.kill(_runtime_pid(job3.processes[0].pid), signal.SIGKILL)
     codes = job3.wait()
     assert codes[1] == codes[2] == 86, job3.report()
@@ -216,10 +210,7 @@ def test_worker_0s_runtime_killed_ends_the_others_with_86_coordinator_lost(job_e
 def test_a_stop_is_not_a_failure_every_node_exits_143_without_origin(job_env, job3):
     for node in range(3):
         job3.start(node, job3.env(job_env, node, WORK=120, MA_RUNTIME_MAX_RESTARTS=2))
-    deadline = time.monotonic() + GUARD
-    while not all(job3.ran(node, 1) for node in range(3)):
-        assert time.monotonic() < deadline, job3.report()
-        time.sleep(0.1)
+    _wait_running(job3, range(3))
     for node in range(3):
         os.kill(_runtime_pid(job3.processes[node].pid), signal.SIGTERM)
     assert job3.wait() == [143, 143, 143], job3.report()
