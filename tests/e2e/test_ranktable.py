@@ -39,7 +39,7 @@ def env(job_env):
 
 @pytest.fixture
 def writers():
-    """Starts tests/fakes/ranktable_writer.py; kills whatever is left at the end of the test."""
+    """Starts ma_runtime/local/fakes/ranktable_writer.py; kills whatever is left at the end of the test."""
     started = []
 
     def start(path, *options):
