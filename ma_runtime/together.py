@@ -128,25 +128,37 @@ def _etcd_connect(spec) -> Callable[[float], Store]:
 
 
 class _JobPeers:
-    """The store's `allow` hook: the addresses the job's node names resolve to (and loopback). An unknown peer
-    makes it resolve the names again, at most every DNS_AGAIN_SECONDS: the platform's DNS names appear as the
-    pods start, some after worker-0's store is up."""
+    """The store's `allow` hook: the addresses the job's node names resolve to (and loopback). The names are
+    resolved on a thread of their own, at once and again (at most every DNS_AGAIN_SECONDS) when an unknown peer
+    connects: the platform's DNS names appear as the pods start, some after worker-0's store is up, and a slow
+    resolver must never stall the store's one thread. A node refused meanwhile connects again (its client retries)."""
 
     def __init__(self, hosts: Sequence[str]):
         self.hosts = [host for host in hosts if not host.startswith("task ")]
-        self.allowed = {"127.0.0.1", "::1"}
-        self.next_look = 0.0
+        self.allowed = frozenset({"127.0.0.1", "::1"})
+        self._asked = threading.Event()
+        self._asked.set()  # the first look, now
+        threading.Thread(target=self._resolve, name="ma-runtime-store-names", daemon=True).start()
 
     def __call__(self, peer: str) -> bool:
         peer = peer[7:] if peer.startswith("::ffff:") else peer
-        if peer not in self.allowed and time.monotonic() >= self.next_look:
-            self.next_look = time.monotonic() + DNS_AGAIN_SECONDS
+        if peer in self.allowed:
+            return True
+        self._asked.set()
+        return False
+
+    def _resolve(self) -> None:
+        while True:
+            self._asked.wait()
+            self._asked.clear()
+            found = set(self.allowed)
             for host in self.hosts:
                 try:
-                    self.allowed.update(info[4][0] for info in socket.getaddrinfo(host, None))
+                    found.update(info[4][0] for info in socket.getaddrinfo(host, None))
                 except OSError:
                     pass  # not yet in the DNS: the next unknown peer looks again
-        return peer in self.allowed
+            self.allowed = frozenset(found)
+            time.sleep(DNS_AGAIN_SECONDS)
 
 
 class Together:

@@ -319,7 +319,7 @@ def test_a_taken_port_is_one_line_naming_the_setting_and_exit_78(tmp_path):
 
 
 def test_the_store_admits_the_jobs_nodes_and_loopback_only_and_looks_again_for_names_not_yet_resolved():
+    # The job's names resolving to the nodes' addresses is proven across namespaces (e2e/test_job_as_one.py).
     peers = together._JobPeers(["localhost", "not-yet.invalid", "task 3"])
     assert peers("127.0.0.1") and peers("::ffff:127.0.0.1")
     assert not peers("10.9.9.9")  # not one of the job's names: refused, and no exception for the bad name
-    assert not peers("10.9.9.9")  # looked again at most every DNS_AGAIN_SECONDS: no lookup storm
