@@ -16,12 +16,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 FAKES = Path(__file__).resolve().parent / "fakes"
 _DEVICE_NODES = {"gpu": ("nvidia{}", ("nvidiactl", "nvidia-uvm")),
                  "npu": ("davinci{}", ("davinci_manager", "devmm_svm", "hisi_hdc"))}
 RANKTABLE_NAME = "jobstart_hccl.json"
+# Inside a node's container (--image): the fake tools and device nodes under the box's own folder, the rank table
+# at the platform's RANK_TABLE_FILE (platform-contract §4: the folder /user/config, the file jobstart_hccl.json).
+IMAGE_FAKES = "/opt/ma-local/fakes"
+IMAGE_DEV = "/opt/ma-local/dev"
+IMAGE_RANKTABLE = "/user/config"
 INITIALIZING_SECONDS = 2.0  # how long each node's table says initializing before it is completed
 
 
@@ -41,8 +46,9 @@ class Devices:
         self.accelerator, self.count, self.scratch, self.nodes = accelerator, count, scratch, nodes
         self.writers: List[subprocess.Popen] = []
 
-    def environment(self, index: int) -> Dict[str, str]:
-        """Node `index`'s variables; its dev folder made. Nothing without an accelerator."""
+    def environment(self, index: int, image_path: Optional[str] = None) -> Dict[str, str]:
+        """Node `index`'s variables; its dev folder made. Nothing without an accelerator. With `image_path` (the
+        image's PATH) the paths are those of `mounts(index)` inside the node's container."""
         if self.accelerator == "none":
             return {}
         pattern, extra = _DEVICE_NODES[self.accelerator]
@@ -50,12 +56,26 @@ class Devices:
         dev.mkdir(parents=True, exist_ok=True)
         for name in [pattern.format(device) for device in range(self.count)] + list(extra):
             (dev / name).touch()
-        env = {"PATH": f"{FAKES}{os.pathsep}{os.environ.get('PATH', os.defpath)}", "MA_NUM_GPUS": str(self.count),
-               "MA_RUNTIME_PREFLIGHT_DEV_DIR": str(dev), "MA_RUNTIME_PREFLIGHT_ACCELERATOR": self.accelerator,
+        inside = image_path is not None
+        path = f"{IMAGE_FAKES if inside else FAKES}{os.pathsep}{image_path or os.environ.get('PATH', os.defpath)}"
+        env = {"PATH": path, "MA_NUM_GPUS": str(self.count),
+               "MA_RUNTIME_PREFLIGHT_DEV_DIR": IMAGE_DEV if inside else str(dev),
+               "MA_RUNTIME_PREFLIGHT_ACCELERATOR": self.accelerator,
                "FAKE_GPU_COUNT": str(self.count), "FAKE_NPU_COUNT": str(self.count)}
         if self.accelerator == "npu":
-            env["RANK_TABLE_FILE"] = str(self._table_folder(index))
+            env["RANK_TABLE_FILE"] = IMAGE_RANKTABLE if inside else str(self._table_folder(index))
         return env
+
+    def mounts(self, index: int) -> List[Tuple[Path, str]]:
+        """(folder here, path in node `index`'s container) of what `environment(index, image_path)` names."""
+        if self.accelerator == "none":
+            return []
+        found = [(FAKES, IMAGE_FAKES), (self.scratch / f"node{index}" / "dev", IMAGE_DEV)]
+        if self.accelerator == "npu":
+            folder = self._table_folder(index)
+            folder.mkdir(parents=True, exist_ok=True)  # bound before the writer's first version is there
+            found.append((folder, IMAGE_RANKTABLE))
+        return found
 
     def _table_folder(self, index: int) -> Path:
         return self.scratch / f"node{index}" / "user-config"

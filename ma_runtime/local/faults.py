@@ -13,7 +13,8 @@ Each fault happens once; one whose rank is not there yet is tried again until it
 
 `exit@` cannot make another process call exit: the node's Python processes import this package's sitecustomize
 (ma_runtime/local/site, after the runtime's own, which chains to it), which waits for a file `<pid>.exit` in
-MA_LOCAL_FAULTS_DIR and exits with the code it holds. A rank that is not Python ignores it (the runner says so).
+MA_LOCAL_FAULTS_DIR (each node's own) and exits with the code it holds; `<pid>` as the process sees it
+(`own_pid`: in a container, its namespace's). A rank that is not Python ignores it (the runner says so).
 """
 
 import dataclasses
@@ -114,6 +115,19 @@ def find_rank(runtime_pid: int, rank: int) -> Optional[Tuple[int, str]]:
     if rank == 0 and len(unnamed) == 1 and len(roots) == 1:
         return unnamed[0]
     return None
+
+
+def own_pid(pid: int) -> int:
+    """Process `pid`'s pid as it sees it (`os.getpid()` in its own pid namespace: a container's), which names its
+    exit-fault file; the last of /proc/<pid>/status's NSpid (Linux 4.1+), `pid` itself where there is none."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return pid
 
 
 def request_exit(faults_dir: Path, pid: int, code: int) -> None:

@@ -1,12 +1,14 @@
 """`ma-runtime local`: a whole job rehearsed on this machine, as the platform would run it (docs/guides/local.md).
 
-    ma-runtime local [--nodes N] [--config job.yaml] [--accelerator none|gpu|npu] [--devices K] [--method M]
-                     [--data obs://bucket/path=./dir]... [--inject FAULT]... [--keep] [--out DIR] -- CMD...
+    ma-runtime local [--nodes N] [--image IMAGE] [--config job.yaml] [--accelerator none|gpu|npu] [--devices K]
+                     [--method M] [--data obs://bucket/path=./dir]... [--inject FAULT]... [--keep] [--out DIR]
+                     -- CMD...
 
 The order of a run, each part in its own module:
 1. the nodes: N network namespaces (nodes.py) and the object store in their switch namespace (store.py), filled
    from --data and with a bucket for every obs:// URL of the job file;
-2. each node runs this install's `ma-run CMD` with the platform's environment, its output on this console with a
+2. each node runs this install's `ma-run CMD` with the platform's environment, or with --image a container of
+   that image whose entrypoint (the runtime in it) runs CMD (containers.py); its output on this console with a
    `[nodeN]` prefix and in <out>/nodeN/console.log, its log directory <out>/nodeN/log;
 3. the faults (faults.py) at their times;
 4. when every node has ended: the store emptied into <out>/bucket, the summary (summary.py), the exit code;
@@ -32,11 +34,17 @@ from pathlib import Path
 from typing import Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from ma_runtime.errors import ExitCode
-from ma_runtime.local import devices, faults, nodes, store, summary
+from ma_runtime.local import containers, devices, faults, nodes, store, summary
 
 PROG = "ma-runtime local"
 READY_SECONDS = 120.0  # the store's start and fill
 STOP_SECONDS = 60.0  # what the runtimes get after a SIGTERM: the default stop grace plus the final sync's budget
+# With --image, your variables reach every container as they reach ma-run without it, except these, which describe
+# this machine and its Python, not the image: the image's own (or podman's) stay.
+IMAGE_KEPT_OUT = frozenset(("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "SHLVL", "HOSTNAME",
+                            "TERM", "TMPDIR", "MAIL", "DISPLAY", "LANG", "LANGUAGE", "PYTHONPATH", "PYTHONHOME",
+                            "PYTHONSTARTUP", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD", "_"))
+IMAGE_KEPT_OUT_PREFIXES = ("LC_", "XDG_", "SSH_", "CONDA_", "CONTAINERS_", "PODMAN_", "DBUS_", "VIRTUAL_ENV_")
 _OBS_URL = re.compile(r"\b(?:obs|s3)://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?=/|\s|$|['\"])")
 
 
@@ -60,7 +68,8 @@ def _parser() -> _Parser:
                      epilog="exit: worker-0's code, or the first failure's by the job's rules; 78: bad usage or "
                             "a missing prerequisite. Guide: docs/guides/local.md")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
-    parser.add_argument("--image", help="run each node as a container of IMAGE (not built yet)")
+    parser.add_argument("--image", help="run each node as a podman container of IMAGE, its entrypoint (the "
+                                        "runtime in the image) as PID 1, uid 1000")
     parser.add_argument("--config", metavar="FILE", help="the job file, given to every node's runtime")
     parser.add_argument("--accelerator", choices=("none", "gpu", "npu"), default="none",
                         help="fake devices and tools on each node (the job still runs on CPU)")
@@ -105,9 +114,6 @@ class Options:
         parsed = _parser().parse_args(ours)
         if not self.command:
             raise UsageError(f"no command after -- ({PROG} [OPTIONS] -- CMD...)")
-        if parsed.image:
-            raise UsageError("--image is not built yet: run without it (the runtime of this install runs on "
-                             "each node)")
         if not 1 <= parsed.nodes <= nodes.MAX_NODES:
             raise UsageError(f"--nodes {parsed.nodes}: from 1 to {nodes.MAX_NODES}")
         if not 1 <= parsed.devices <= 16:
@@ -121,7 +127,7 @@ class Options:
             raise UsageError(f"--config {parsed.config}: no such file")
         self.data = _data(parsed.data)
         self.count, self.accelerator, self.devices = parsed.nodes, parsed.accelerator, parsed.devices
-        self.method, self.keep = parsed.method, parsed.keep
+        self.method, self.keep, self.image = parsed.method, parsed.keep, parsed.image
         self.out = Path(parsed.out or f"ma-local-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
     def buckets(self) -> List[str]:
@@ -131,12 +137,12 @@ class Options:
         return sorted({bucket for bucket, _, _ in self.data} | set(_OBS_URL.findall(text)))
 
 
-def _machine() -> None:
+def _machine(options: Options) -> None:
     lacking = nodes.missing()
     if lacking:
         raise UsageError(f"needs {', '.join(lacking)} to make the nodes' namespaces: run it as root on Linux "
-                         "with iproute2 and util-linux (or use --image, later)")
-    line = store.missing()
+                         "with iproute2 and util-linux")
+    line = store.missing() or (containers.missing(options.image) if options.image else "")
     if line:
         raise UsageError(line)
 
@@ -193,7 +199,7 @@ class LocalRun:
         self.processes: List[subprocess.Popen] = []
         self.store: Optional[subprocess.Popen] = None
         self.scratch = Path(tempfile.mkdtemp(prefix="ma-local-"))
-        self.faults_dir = self.scratch / "faults"
+        self.containers = containers.Containers(options.image, self.nodes) if options.image else None
         self.started_at = 0.0
         self.done = threading.Event()
         self.injected: List[str] = []
@@ -215,36 +221,95 @@ class LocalRun:
             raise UsageError(f"the local object store did not start: {answer or 'no answer'}")
         return f"http://{address}:{store.PORT}"
 
+    def faults_dir(self, index: int) -> Path:
+        # One per node: a container's pids are its own, two nodes' ranks can have the same.
+        return self.scratch / f"node{index}" / "faults"
+
+    def home(self, index: int) -> Path:
+        return self.scratch / f"node{index}" / "home"
+
     def environment(self, index: int, store_url: str) -> Dict[str, str]:
+        """Node `index`'s whole environment for this install's ma-run: this machine's, and the platform's."""
         folder = self.options.out / f"node{index}"
         inherited = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
         path = os.pathsep.join(part for part in (str(faults.SITE_DIR), _package_root(),
                                                  os.environ.get("PYTHONPATH", "")) if part)
-        env = {**inherited, **self.nodes.environment(index), **store.node_environment(store_url),
-               "MA_HOME": str(self.scratch / f"node{index}" / "home"), "MA_LOG_DIR": str(folder / "log"),
-               "MA_RUNTIME_TERMINATION_LOG": str(folder / "termination-log"),
-               faults.FAULTS_DIR_ENV: str(self.faults_dir), "PYTHONPATH": path}
-        if self.options.method:
-            env["MA_RUN_METHOD"] = self.options.method
+        env = {**inherited, **self._platform(index, store_url), "MA_HOME": str(self.home(index)),
+               "MA_LOG_DIR": str(folder / "log"), "MA_RUNTIME_TERMINATION_LOG": str(folder / "termination-log"),
+               faults.FAULTS_DIR_ENV: str(self.faults_dir(index)), "PYTHONPATH": path}
         env.update(self.devices.environment(index))
         env.setdefault("MA_NUM_GPUS", "0")
         return env
 
+    def _platform(self, index: int, store_url: str) -> Dict[str, str]:
+        env = {**self.nodes.environment(index), **store.node_environment(store_url)}
+        if self.options.method:
+            env["MA_RUN_METHOD"] = self.options.method
+        return env
+
+    def image_environment(self, index: int, store_url: str, image_path: str) -> Dict[str, str]:
+        """Node `index`'s environment in its container: yours but IMAGE_KEPT_OUT, the platform's, the box's paths
+        as the container sees them (`image_mounts`); the image's own variables stay where not set here."""
+        passed = {name: value for name, value in os.environ.items()
+                  if name not in IMAGE_KEPT_OUT and not name.startswith(IMAGE_KEPT_OUT_PREFIXES)}
+        env = {**passed, **self._platform(index, store_url),
+               faults.FAULTS_DIR_ENV: f"{containers.MOUNT_ROOT}/faults",
+               "PYTHONPATH": f"{containers.MOUNT_ROOT}/site"}
+        if self.options.config:
+            env["MA_RUNTIME_CONFIG"] = f"{containers.MOUNT_ROOT}/job.yaml"
+        env.update(self.devices.environment(index, image_path=image_path))
+        env.setdefault("MA_NUM_GPUS", "0")
+        return env
+
+    def image_mounts(self, index: int) -> List[containers.Mount]:
+        """What node `index`'s container gets bound in: the platform's folders at the platform's paths (its mount,
+        whose log folder is <out>/nodeN/log, and the termination log), the box's under MOUNT_ROOT."""
+        folder, home = self.options.out / f"node{index}", self.home(index)
+        home.mkdir(parents=True, exist_ok=True)
+        containers.give_to_job_user(home, folder / "log", folder / "termination-log", self.faults_dir(index))
+        found = [containers.Mount(home, containers.PLATFORM_MOUNT),
+                 containers.Mount(folder / "log", f"{containers.PLATFORM_MOUNT}/log"),
+                 containers.Mount(folder / "termination-log", "/dev/termination-log"),
+                 containers.Mount(self.faults_dir(index), f"{containers.MOUNT_ROOT}/faults"),
+                 containers.Mount(faults.SITE_DIR, f"{containers.MOUNT_ROOT}/site", read_only=True)]
+        if self.options.config:
+            found.append(containers.Mount(self.options.config, f"{containers.MOUNT_ROOT}/job.yaml", read_only=True))
+        found += [containers.Mount(source, target, read_only=True) for source, target in self.devices.mounts(index)]
+        return found
+
     def start_nodes(self, store_url: str) -> None:
-        ma_run = str(Path(sys.executable).parent / "ma-run")
-        config = ["--config", str(self.options.config)] if self.options.config else []
-        self.faults_dir.mkdir(parents=True, exist_ok=True)
+        image_path = containers.image_path(self.options.image) if self.containers else ""
         self.devices.start()
         for index in range(self.options.count):
             folder = self.options.out / f"node{index}"
-            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "log").mkdir(parents=True, exist_ok=True)
             (folder / "termination-log").touch()  # the runtime writes only into an existing one, as the kubelet's
-            env = self.environment(index, store_url)
-            process = self.nodes.start(index, [ma_run, *config, "--", *self.options.command], env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.faults_dir(index).mkdir(parents=True, exist_ok=True)
+            if self.containers:
+                process = self.containers.start(
+                    index, self.image_environment(index, store_url, image_path), self.image_mounts(index),
+                    self.options.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            else:
+                process = self.nodes.start(index, self._ma_run(), self.environment(index, store_url),
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.processes.append(process)
             self.console.follow(index, process.stdout, folder / "console.log")
         self.started_at = time.monotonic()
+
+    def _ma_run(self) -> List[str]:
+        config = ["--config", str(self.options.config)] if self.options.config else []
+        return [str(Path(sys.executable).parent / "ma-run"), *config, "--", *self.options.command]
+
+    def runtime_pid(self, index: int) -> Optional[int]:
+        """Node `index`'s runtime, by this machine's pid (None while its container is not running yet)."""
+        return self.containers.runtime_pid(index) if self.containers else self.processes[index].pid
+
+    def signal_node(self, index: int, signum: int) -> None:
+        """`signum` to node `index`'s runtime, as the platform signals a pod's first process."""
+        if self.containers:
+            self.containers.signal(index, signum)
+        else:
+            faults.signal_process(self.processes[index].pid, signum)
 
     def inject(self) -> None:
         for fault in self.options.faults:
@@ -254,19 +319,20 @@ class LocalRun:
         if self.done.wait(max(0.0, self.started_at + fault.after - time.monotonic())):
             return
         if fault.kind == "preempt":
-            for process in self.processes:
-                faults.signal_process(process.pid, signal.SIGTERM)
+            for index in range(len(self.processes)):
+                self.signal_node(index, signal.SIGTERM)
             return self._injected(fault, "")
         node = self.nodes.nodes[fault.node]
         if fault.kind == "netdrop":
             return self._injected(fault, faults.link_down(node.namespace, nodes.INTERFACE))
         runtime = self.processes[fault.node]
         while not self.done.is_set() and runtime.poll() is None:
-            found = faults.find_rank(runtime.pid, fault.rank)
+            runtime_pid = self.runtime_pid(fault.node)
+            found = faults.find_rank(runtime_pid, fault.rank) if runtime_pid is not None else None
             if found is not None:
                 pid, label = found
                 if fault.kind == "exit":
-                    faults.request_exit(self.faults_dir, pid, fault.code)
+                    faults.request_exit(self.faults_dir(fault.node), faults.own_pid(pid), fault.code)
                 else:
                     faults.signal_process(pid, faults.SIGNALS[fault.kind])
                 return self._injected(fault, "", label if label.startswith("pid ") else f"{label}, pid {pid}")
@@ -287,8 +353,9 @@ class LocalRun:
     def stop_nodes(self) -> None:
         """SIGTERM to the runtimes still running, and their stop grace and final sync to end."""
         running = [process for process in self.processes if process.poll() is None]
-        for process in running:
-            faults.signal_process(process.pid, signal.SIGTERM)
+        for index, process in enumerate(self.processes):
+            if process.poll() is None:
+                self.signal_node(index, signal.SIGTERM)
         deadline = time.monotonic() + STOP_SECONDS
         for process in running:
             try:
@@ -310,14 +377,17 @@ class LocalRun:
 
     def close(self) -> None:
         self.done.set()
+        if self.containers:
+            self.containers.close()
         self.nodes.close(grace=5.0)
         if self.store is not None:
             self.store.wait()
         if self.options.keep:
             for index in range(self.options.count):
-                home = self.scratch / f"node{index}" / "home"
-                if home.exists():
-                    shutil.move(str(home), str(self.options.out / f"node{index}" / "home"))
+                if self.home(index).exists():
+                    shutil.move(str(self.home(index)), str(self.options.out / f"node{index}" / "home"))
+        if self.containers:
+            containers.give_back(self.options.out)
         self.devices.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -383,7 +453,7 @@ def run(options: Options) -> int:
 def main(argv: Sequence[str]) -> int:
     try:
         options = Options(argv)
-        _machine()
+        _machine(options)
         return run(options)
     except UsageError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")

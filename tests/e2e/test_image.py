@@ -125,6 +125,11 @@ def remove_older_test_images(keep: str) -> None:
 
 @pytest.fixture(scope="module")
 def image():
+    return built_image()
+
+
+def built_image() -> str:
+    """The CPU image's tag, built when this checkout's sources have none yet (skips the test without podman)."""
     why = why_no_podman()
     if why:
         pytest.skip(why)

@@ -142,7 +142,6 @@ def test_preempt_stops_every_node_with_143_after_the_final_sync(workdir):
 @pytest.mark.parametrize("args, said", [
     (["--inject", "kill@5"], "--inject 'kill@5': kill needs @NODE, a node index from 0 to 1 (--nodes 2)"),
     (["--inject", "boom"], "unknown fault 'boom'"),
-    (["--image", "demo:latest"], "--image is not built yet"),
     (["--data", "obs://b/x=./nowhere"], "./nowhere does not exist"),
 ])
 def test_bad_usage_is_one_line_and_78(workdir, args, said):
