@@ -9,7 +9,8 @@ Each node's container (`podman run --rm`, named `ma-local-<runner pid>-<node>`):
 - runs as uid 1000, gid 100 (ma-user, ma-group: the platform's), with a memory-backed /dev/shm of SHM_SIZE
   (podman's default 64 MB fails the runtime's preflight, as a pod without the platform's would);
 - gets the variables by name only (`--env NAME`: podman takes the value from its own environment), so no value,
-  the store's keys included, is ever on a command line;
+  the store's keys included, is ever on a command line; PATH alone by value, since podman itself needs this
+  machine's;
 - gets the run's folders bound in (`Mount`), at the platform's paths where the platform has one
   (/home/ma-user/modelarts, its log folder, /dev/termination-log) and under MOUNT_ROOT for the box's own.
 
@@ -96,7 +97,7 @@ class Containers:
         self.clients: List[subprocess.Popen] = []
         self._pids: Dict[int, int] = {}
 
-    def argv(self, index: int, names: Sequence[str], mounts: Sequence[Mount], command: Sequence[str]) -> List[str]:
+    def argv(self, index: int, env: Dict[str, str], mounts: Sequence[Mount], command: Sequence[str]) -> List[str]:
         node = self.nodes.nodes[index]
         hosts = Mount(Path("/etc/netns") / node.namespace / "hosts", "/etc/hosts", read_only=True)
         argv = [ENGINE, "run", "--rm", "--name", self.names[index], "--pull", "never",
@@ -104,16 +105,16 @@ class Containers:
                 "--user", f"{UID}:{GID}", "--shm-size", SHM_SIZE]
         for mount in (hosts, *mounts):
             argv += ["--volume", mount.option()]
-        for name in sorted(names):
-            argv += ["--env", name]
+        for name in sorted(env):
+            argv += ["--env", f"PATH={env[name]}" if name == "PATH" else name]
         return [*argv, self.image, *command]
 
     def start(self, index: int, env: Dict[str, str], mounts: Sequence[Mount], command: Sequence[str],
               **popen) -> subprocess.Popen:
         """Node `index`'s container; `env` is all it gets, each variable passed by name (see the docstring)."""
-        client_env = {"PATH": os.environ.get("PATH", os.defpath), **env}
+        client_env = {**env, "PATH": os.environ.get("PATH", os.defpath)}  # podman's own, its helpers found by it
         # A session of its own: a terminal's Ctrl-C reaches the runner, which stops the nodes, not podman's proxy.
-        client = subprocess.Popen(self.argv(index, list(env), mounts, command), env=client_env,
+        client = subprocess.Popen(self.argv(index, env, mounts, command), env=client_env,
                                   stdin=subprocess.DEVNULL, start_new_session=True, **popen)
         self.clients.append(client)
         return client

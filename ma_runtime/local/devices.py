@@ -23,7 +23,7 @@ _DEVICE_NODES = {"gpu": ("nvidia{}", ("nvidiactl", "nvidia-uvm")),
                  "npu": ("davinci{}", ("davinci_manager", "devmm_svm", "hisi_hdc"))}
 RANKTABLE_NAME = "jobstart_hccl.json"
 # Inside a node's container (--image): the fake tools and device nodes under the box's own folder, the rank table
-# at the platform's RANK_TABLE_FILE (platform-contract §4: the folder /user/config, the file jobstart_hccl.json).
+# at the platform's RANK_TABLE_FILE (docs/platform.md: the folder /user/config, the file jobstart_hccl.json).
 IMAGE_FAKES = "/opt/ma-local/fakes"
 IMAGE_DEV = "/opt/ma-local/dev"
 IMAGE_RANKTABLE = "/user/config"

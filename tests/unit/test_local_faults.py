@@ -4,6 +4,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +77,25 @@ def test_the_exit_fault_s_sitecustomize_chains_once_with_the_runtime_s_and_the_i
     assert probe.returncode == 0 and probe.stderr == "", probe.stderr
     assert probe.stdout.split() == ["1", "2"]  # the exit fault's watcher, once, and the main thread
     assert marks.read_text() == "ran\n"  # the image's own, once
+
+
+def test_own_pid_is_the_pid_a_process_has_in_its_own_pid_namespace():
+    """The exit fault's file is named by the pid the rank sees (os.getpid()): in a container, not this machine's."""
+    assert faults.own_pid(os.getpid()) == os.getpid()
+    if os.geteuid() != 0:
+        pytest.skip("a pid namespace of its own needs root here")
+    # `unshare --pid --fork` makes a pid namespace whose first process, sleep, is pid 1 there.
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sleep", "30"])
+    try:
+        inner = None
+        for _ in range(100):
+            children = Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()
+            if children:
+                inner = int(children[0])
+                break
+            time.sleep(0.05)
+        assert inner is not None and inner != 1
+        assert faults.own_pid(inner) == 1
+    finally:
+        outer.kill()
+        outer.wait()
