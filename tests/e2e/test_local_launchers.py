@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ma_runtime.local import nodes as local_nodes
-from tests.conftest import MA_RUNTIME, marked
+from tests.conftest import MA_RUNTIME
 from tests.e2e.test_launchers import TORCH_BIN, needs_torch
 
 _MISSING = local_nodes.missing()
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISS
 pytest.importorskip("moto.server")
 GUARD = 180
 SCRIPT = f"allreduce_{uuid.uuid4().hex[:12]}.py"  # a name no other process on the machine has
+RUN_MARK = "LOCAL_LAUNCHERS_TEST_RUN"  # in the runner's environment: every process of the run has it
 
 # Every rank all_reduces rank+1 and says what it saw in one write (ranks share the node's stdout), and writes the
 # same line into the job's output (--train_url, synced to the bucket). HOLD_RANK: that rank waits before joining,
@@ -72,13 +73,22 @@ def workdir(tmp_path):
 
 def local(workdir: Path, *args: str, **env) -> subprocess.CompletedProcess:
     """`ma-runtime local --nodes 2 --method torchrun ARGS -- python SCRIPT`, torch's venv first on PATH (where a
-    user's `python` would be), none of this machine's MA_, VC_ or CUDA_ variables."""
+    user's `python` would be), none of this machine's MA_, VC_ or CUDA_ variables; the run's mark in its
+    environment (every process of the run inherits it) and the runner's pid (its namespaces' names) in `.pid`."""
     environ = {name: value for name, value in os.environ.items() if not name.startswith(("MA_", "VC_", "CUDA_"))}
-    environ.update({"PATH": f"{TORCH_BIN}{os.pathsep}{environ.get('PATH', os.defpath)}",
+    environ.update({"PATH": f"{TORCH_BIN}{os.pathsep}{environ.get('PATH', os.defpath)}", RUN_MARK: str(workdir),
                     **{name: str(value) for name, value in env.items()}})
-    return subprocess.run([MA_RUNTIME, "local", "--nodes", "2", "--method", "torchrun", "--out", str(workdir / "out"),
-                           *args, "--", "python", SCRIPT],
-                          cwd=workdir, env=environ, capture_output=True, text=True, timeout=GUARD)
+    runner = subprocess.Popen([MA_RUNTIME, "local", "--nodes", "2", "--method", "torchrun", "--out",
+                               str(workdir / "out"), *args, "--", "python", SCRIPT],
+                              cwd=workdir, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = runner.communicate(timeout=GUARD)
+    except subprocess.TimeoutExpired:
+        runner.kill()
+        raise
+    result = subprocess.CompletedProcess(runner.args, runner.returncode, out, err)
+    result.pid = runner.pid
+    return result
 
 
 def ranks(result) -> list:
@@ -101,11 +111,25 @@ def termination(workdir: Path, node: int) -> dict:
     return json.loads(text) if text.strip() else {}
 
 
-def assert_nothing_left() -> None:
+def assert_nothing_left(result, workdir: Path) -> None:
+    """No namespace of this run (`ma-local-<runner pid>-...`, nodes.py) and no process with its mark: other runs
+    of `ma-runtime local` on the machine are not this test's."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "ma-local-" not in listed, listed
-    assert not marked("ma_runtime.local.store"), "the store outlived the run"
-    assert not marked(SCRIPT), "a rank outlived the run"
+    assert f"ma-local-{result.pid}-" not in listed, listed
+    assert not marked_by_environment(f"{RUN_MARK}={workdir}"), "a process of the run outlived it"
+
+
+def marked_by_environment(assignment: str) -> list:
+    wanted = assignment.encode() + b"\0"
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if wanted in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 def test_torchrun_on_two_nodes_all_reduces_and_the_summary_says_succeeded(workdir):
@@ -130,7 +154,7 @@ def test_torchrun_on_two_nodes_all_reduces_and_the_summary_says_succeeded(workdi
     assert "verdict: succeeded" in summary
     assert "2 object(s) written by the job, 2 in all" in summary
     assert summary.rstrip().endswith("exit code: 0")
-    assert_nothing_left()
+    assert_nothing_left(result, workdir)
 
 
 def test_an_exit_fault_on_a_torchrun_rank_fails_the_job_with_the_rank_s_code_and_its_origin(workdir):
@@ -160,7 +184,7 @@ def test_an_exit_fault_on_a_torchrun_rank_fails_the_job_with_the_rank_s_code_and
     assert "volcano: no policy for node0's exit 86, node1's exit 3: the job fails" in summary
     assert "fault: exit on node1 (rank 1 exits 3) at 0s: done (rank 1, pid " in summary
     assert summary.rstrip().endswith("exit code: 3")
-    assert_nothing_left()
+    assert_nothing_left(result, workdir)
 
 
 def test_fake_gpus_pass_the_preflight_and_torchrun_starts_one_rank_per_gpu(workdir):
@@ -182,4 +206,4 @@ def test_fake_gpus_pass_the_preflight_and_torchrun_starts_one_rank_per_gpu(workd
     summary = summary_of(result)
     assert "node0: exit 0, attempts 1" in summary and "node1: exit 0, attempts 1" in summary
     assert "verdict: succeeded" in summary and summary.rstrip().endswith("exit code: 0")
-    assert_nothing_left()
+    assert_nothing_left(result, workdir)
