@@ -12,6 +12,7 @@ outside that network, talks to this module's process through its standard stream
 moto is the optional extra `ma-runtime[local]` (moto[server], which brings boto3); the runtime never imports this.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -23,15 +24,26 @@ SECRET_KEY = "local-secret-key"  # moto accepts any key: this one only has to be
 REGION = "us-east-1"
 PORT = 9000  # the switch namespace is the run's own: no other listener there
 EXTRA = "pip install 'ma-runtime[local]'"
+# What `moto.server` and the store's S3 client import: moto, and what its [server] extra adds that the store needs.
+_NEEDED = ("moto", "werkzeug", "flask", "flask_cors", "boto3")
 
 
 def missing() -> str:
-    """'' when moto's server can be imported, else the line saying how to get it."""
+    """'' when moto's server is installed, else the line saying what is missing and how to get it.
+
+    Found, not imported: importing moto takes 0.6-0.7 s (it loads botocore), which the runner paid before making
+    the nodes for an import the store's own process does again (benchmarks/local_startup.py). A broken install
+    still says so: the store's process answers `error ...` and the run stops with that line."""
+    lacking = [name for name in _NEEDED if _absent(name)]
+    return f"the local object store needs moto's server ({', '.join(lacking)} not installed): {EXTRA}" if lacking \
+        else ""
+
+
+def _absent(name: str) -> bool:
     try:
-        import moto.server  # noqa: F401
-    except ImportError:
-        return f"the local object store needs moto's server: {EXTRA}"
-    return ""
+        return importlib.util.find_spec(name) is None  # a top-level name: located, nothing executed
+    except (ImportError, ValueError):
+        return True
 
 
 def node_environment(url: str) -> dict:
@@ -77,19 +89,20 @@ def _drain(s3, folder: Path) -> List[Tuple[str, str, int]]:
 
 
 def serve(address: str, port: int, spec: dict) -> int:
-    from moto.server import ThreadedMotoServer
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:  # installed but broken: one line for the runner, which ends the run with it
+        print(f"error {type(exc).__name__}: {exc} ({EXTRA})", flush=True)
+        return 1
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", ACCESS_KEY)
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     server = ThreadedMotoServer(ip_address=address, port=port, verbose=False)
     server.start()
+    url = f"http://{address}:{port}"
     try:
-        s3 = _client(f"http://{address}:{port}")
         try:
-            for bucket in spec.get("buckets", []):
-                s3.create_bucket(Bucket=bucket)
-            for bucket, prefix, source in spec.get("fill", []):
-                _fill(s3, bucket, prefix, Path(source))
+            _make(url, spec)
         except Exception as exc:  # one line for the runner, which ends the run with it
             print(f"error {type(exc).__name__}: {exc}", flush=True)
             return 1
@@ -97,11 +110,24 @@ def serve(address: str, port: int, spec: dict) -> int:
         for line in sys.stdin:
             command, _, argument = line.strip().partition(" ")
             if command == "drain":
-                print(json.dumps(_drain(s3, Path(argument))), flush=True)
+                print(json.dumps(_drain(_client(url), Path(argument))), flush=True)
                 return 0
         return 0
     finally:
         server.stop()
+
+
+def _make(url: str, spec: dict) -> None:
+    """The buckets and the fill. The S3 client only when there is something to make: building it loads botocore's
+    S3 model (0.1 s), which a run naming no bucket would wait for before its nodes start."""
+    buckets, fill = spec.get("buckets", []), spec.get("fill", [])
+    if not buckets and not fill:
+        return
+    s3 = _client(url)
+    for bucket in buckets:
+        s3.create_bucket(Bucket=bucket)
+    for bucket, prefix, source in fill:
+        _fill(s3, bucket, prefix, Path(source))
 
 
 def main(argv: Sequence[str]) -> int:
