@@ -6,10 +6,12 @@
     netdrop@NODE[:after=T]                the node's eth0 down (a node cut off: its peers and the store lose it)
     preempt[:after=T]                     SIGTERM to every node's runtime, as the platform stops a job
 
-R defaults to 0, T (`20s`, `1.5m`, `90`: seconds unless a unit s, m or h follows) to 0, counted from the start of
-the nodes' commands. A rank is a topmost job process of the node's runtime (ma_runtime/supervise/ranks.py): the
-one whose environment names rank R, or, when no rank names itself (a plain command), the only one for R=0.
-Each fault happens once; one whose rank is not there yet is tried again until it is, or the node has ended.
+R is the job's rank (RANK, RANK_ID, ...: node1's are 8-15 with 8 per node); without it, the node's first rank, so
+`exit@1` hits node 1 under any launcher. T (`20s`, `1.5m`, `90`: seconds unless a unit s, m or h follows) defaults
+to 0, counted from the start of the nodes' commands. A rank is a topmost job process of the node's runtime
+(ma_runtime/supervise/ranks.py): the one whose environment names rank R, or, when no rank names itself (a plain
+command), the only one, as rank 0 and as the node's first. Each fault happens once; one whose rank is not there
+yet is tried again until it is, or the node has ended, or (`pick`) the node's ranks run and R is not among them.
 
 `exit@` cannot make another process call exit: the node's Python processes import this package's sitecustomize
 (ma_runtime/local/site, after the runtime's own, which chains to it), which waits for a file `<pid>.exit` in
@@ -43,13 +45,14 @@ class Fault:
     kind: str  # kill, hang, exit, netdrop, preempt
     node: Optional[int]  # None for preempt: every node
     after: float  # seconds from the start of the nodes' commands
-    rank: int = 0
+    rank: Optional[int] = None  # None: the node's first rank
     code: int = 1
 
     def __str__(self) -> str:
         where = "every node" if self.node is None else f"node{self.node}"
-        what = {"kill": f"SIGKILL to rank {self.rank}", "hang": f"SIGSTOP to rank {self.rank}",
-                "exit": f"rank {self.rank} exits {self.code}", "netdrop": "eth0 down", "preempt": "SIGTERM"}
+        rank = "its first rank" if self.rank is None else f"rank {self.rank}"
+        what = {"kill": f"SIGKILL to {rank}", "hang": f"SIGSTOP to {rank}",
+                "exit": f"{rank} exits {self.code}", "netdrop": "eth0 down", "preempt": "SIGTERM"}
         return f"{self.kind} on {where} ({what[self.kind]}) at {self.after:g}s"
 
 
@@ -68,7 +71,7 @@ def parse(text: str, nodes: int) -> Fault:
             raise BadFault(f"--inject {text!r}: {item!r} is not a setting of {kind} (it takes {allowed})")
         values[key] = value
     return Fault(kind, node, _seconds(text, values.get("after", "0")),
-                 rank=_integer(text, "rank", values.get("rank", "0"), 0, 1 << 20),
+                 rank=_integer(text, "rank", values["rank"], 0, 1 << 20) if "rank" in values else None,
                  code=_integer(text, "code", values.get("code", "1"), 1, 255))
 
 
@@ -99,21 +102,32 @@ def _integer(text: str, key: str, value: str, low: int, high: int) -> int:
 # --------------------------------------------------------------------------------------------- doing them
 
 
-def find_rank(runtime_pid: int, rank: int) -> Optional[Tuple[int, str]]:
-    """(pid, label) of rank `rank` among the job's processes under the runtime `runtime_pid`, or None while
-    there is none (the node still staging in, or between attempts)."""
+def job_ranks(runtime_pid: int) -> Dict[int, str]:
+    """pid -> label ("rank 3", or "pid 812 (python)" for one that names no rank) of the topmost job processes
+    under the runtime `runtime_pid`; empty while there are none (staging in, between attempts)."""
     from ma_runtime.process.table import processes
     from ma_runtime.supervise.ranks import Finder
 
-    table = processes()
-    units = Finder().find({"command": runtime_pid}, (), table)
-    roots = {unit.root: unit.label for unit in units.values()}
-    for pid, label in roots.items():
-        if label == f"rank {rank}":
-            return pid, label
-    unnamed = [(pid, label) for pid, label in roots.items() if not label.startswith("rank ")]
-    if rank == 0 and len(unnamed) == 1 and len(roots) == 1:
-        return unnamed[0]
+    units = Finder().find({"command": runtime_pid}, (), processes())
+    return {unit.root: unit.label for unit in units.values()}
+
+
+class NotHere(LookupError):
+    """The node's ranks run and the one asked for is not among them: the message names those it has."""
+
+
+def pick(ranks: Dict[int, str], rank: Optional[int]) -> Optional[Tuple[int, str]]:
+    """(pid, label) of rank `rank` (None: the lowest) among `ranks` (job_ranks), None while it is not there yet;
+    NotHere when the node's ranks name themselves and `rank` is not one of them."""
+    named = {int(label.split()[1]): pid for pid, label in ranks.items() if label.startswith("rank ")}
+    if rank is None and named:
+        return named[min(named)], f"rank {min(named)}"
+    if rank is not None and rank in named:
+        return named[rank], f"rank {rank}"
+    if rank in (None, 0) and len(ranks) == 1 and not named:  # a plain command: its only process
+        return next(iter(ranks.items()))
+    if rank is not None and named:
+        raise NotHere(f"rank {rank} is not on this node (its ranks: {', '.join(map(str, sorted(named)))})")
     return None
 
 

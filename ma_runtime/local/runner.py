@@ -325,19 +325,30 @@ class LocalRun:
         node = self.nodes.nodes[fault.node]
         if fault.kind == "netdrop":
             return self._injected(fault, faults.link_down(node.namespace, nodes.INTERFACE))
-        runtime = self.processes[fault.node]
+        runtime, before = self.processes[fault.node], {}
         while not self.done.is_set() and runtime.poll() is None:
             runtime_pid = self.runtime_pid(fault.node)
-            found = faults.find_rank(runtime_pid, fault.rank) if runtime_pid is not None else None
-            if found is not None:
-                pid, label = found
-                if fault.kind == "exit":
-                    faults.request_exit(self.faults_dir(fault.node), faults.own_pid(pid), fault.code)
-                else:
-                    faults.signal_process(pid, faults.SIGNALS[fault.kind])
-                return self._injected(fault, "", label if label.startswith("pid ") else f"{label}, pid {pid}")
+            ranks = faults.job_ranks(runtime_pid) if runtime_pid is not None else {}
+            # The same ranks at two looks: a launcher starts its ranks one after another, and the first rank or
+            # one not on this node is known only once all of them run.
+            if ranks and ranks == before:
+                try:
+                    found = faults.pick(ranks, fault.rank)
+                except faults.NotHere as exc:
+                    return self._injected(fault, f"node{fault.node}: {exc}")
+                if found is not None:
+                    return self._do(fault, *found)
+            before = ranks
             time.sleep(0.2)
-        self._injected(fault, f"node{fault.node} ended before rank {fault.rank} ran")
+        rank = "its first rank" if fault.rank is None else f"rank {fault.rank}"
+        self._injected(fault, f"node{fault.node} ended before {rank} ran")
+
+    def _do(self, fault: faults.Fault, pid: int, label: str) -> None:
+        if fault.kind == "exit":
+            faults.request_exit(self.faults_dir(fault.node), faults.own_pid(pid), fault.code)
+        else:
+            faults.signal_process(pid, faults.SIGNALS[fault.kind])
+        self._injected(fault, "", label if label.startswith("pid ") else f"{label}, pid {pid}")
 
     def _injected(self, fault: faults.Fault, error: str, target: str = "") -> None:
         line = f"{fault}: {'not done: ' + error if error else 'done'}{f' ({target})' if target else ''}"

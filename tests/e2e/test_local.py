@@ -124,7 +124,7 @@ def test_an_exit_fault_restarts_every_node_together(workdir):
         assert f"[node{node}] node {node} attempt 2 read rows 1-100" in result.stdout
     summary = result.stdout[result.stdout.index("ma-runtime local: summary"):]
     assert "node0: exit 0, attempts 2" in summary and "node1: exit 0, attempts 2" in summary
-    assert "fault: exit on node1 (rank 0 exits 3) at 1s: done" in summary
+    assert "fault: exit on node1 (its first rank exits 3) at 1s: done" in summary
     assert_nothing_left(result)
 
 
@@ -227,7 +227,7 @@ def test_a_kill_fault_is_a_crash_of_that_node_s_rank_and_the_job_fails_with_its_
     summary = summary_of(result)
     assert "node0: exit 86, attempts 1" in summary and "node1: exit 137, attempts 1" in summary
     assert "verdict: node1 failed first (" in summary and "exit 137, attempt 1)" in summary
-    assert "fault: kill on node1 (SIGKILL to rank 0) at 1s: done (pid " in summary
+    assert "fault: kill on node1 (SIGKILL to its first rank) at 1s: done (pid " in summary
     assert "volcano: no policy for node0's exit 86, node1's exit 137: the job fails" in summary
     assert_nothing_left(result)
 
@@ -244,7 +244,7 @@ def test_a_hang_fault_stops_the_rank_and_the_hang_detector_ends_the_job_with_83(
     assert any(line.startswith("[node1] ") and "it is stopped (SIGSTOP)" in line for line in lines)
     summary = summary_of(result)
     assert "node0: exit 86, attempts 1" in summary and "node1: exit 83, attempts 1" in summary
-    assert "fault: hang on node1 (SIGSTOP to rank 0) at 2s: done (pid " in summary
+    assert "fault: hang on node1 (SIGSTOP to its first rank) at 2s: done (pid " in summary
     assert "volcano: RestartJob for node1's exit 83 (hang detected" in summary
     # node0 stopped for node1's hang took its rank's stack (node1's rank, stopped, could not answer), under --out.
     stacks = workdir / "out" / "node0" / "log" / "modelarts-job-local-worker-0-stacks" / "attempt-1"

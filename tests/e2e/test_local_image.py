@@ -138,7 +138,7 @@ def test_an_exit_fault_in_a_container_restarts_every_node_together(workdir, imag
         assert f"[node{node}] node {node} attempt 2 uid 1000" in result.stdout
     summary = summary_of(result.stdout)
     assert "node0: exit 0, attempts 2" in summary and "node1: exit 0, attempts 2" in summary
-    assert "fault: exit on node1 (rank 0 exits 3) at 1s: done" in summary
+    assert "fault: exit on node1 (its first rank exits 3) at 1s: done" in summary
     assert (workdir / "out" / CHECKPOINT).read_text() == "weights of attempt 2"
     assert_nothing_left(workdir / "out", result.args)
 

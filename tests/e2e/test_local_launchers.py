@@ -159,8 +159,9 @@ def test_torchrun_on_two_nodes_all_reduces_and_the_summary_says_succeeded(workdi
 
 def test_an_exit_fault_on_a_torchrun_rank_fails_the_job_with_the_rank_s_code_and_its_origin(workdir):
     # Rank 1 (node1's only one) waits before joining; the fault ends it with 3; rank 0 waits in the rendezvous
-    # until the job stops it.
-    result = local(workdir, "--inject", "exit@1:rank=1:code=3", MA_RUNTIME_PREFLIGHT="off", MA_RUNTIME_MAX_RESTARTS=0,
+    # until the job stops it. No rank=: the node's first rank, 1 here (rank 0, the default once, is not on node1:
+    # the fault waited until node1 ended, then said "not done").
+    result = local(workdir, "--inject", "exit@1:code=3", MA_RUNTIME_PREFLIGHT="off", MA_RUNTIME_MAX_RESTARTS=0,
                    HOLD_RANK=1)
 
     # Node1's code is the rank's 3, read from torchrun's root cause (torchrun itself exits 1).
@@ -182,7 +183,7 @@ def test_an_exit_fault_on_a_torchrun_rank_fails_the_job_with_the_rank_s_code_and
     assert "node1: exit 3, attempts 1, final sync none" in summary
     assert "verdict: node1 failed first (failed, exit 3, attempt 1)" in summary
     assert "volcano: no policy for node0's exit 86, node1's exit 3: the job fails" in summary
-    assert "fault: exit on node1 (rank 1 exits 3) at 0s: done (rank 1, pid " in summary
+    assert "fault: exit on node1 (its first rank exits 3) at 0s: done (rank 1, pid " in summary
     assert summary.rstrip().endswith("exit code: 3")
     assert_nothing_left(result, workdir)
 

@@ -16,7 +16,7 @@ from ma_runtime.supervise.stacks import registry as stacks_registry
 
 @pytest.mark.parametrize("text, fault", [
     ("kill@1:rank=3:after=20s", Fault("kill", 1, 20.0, rank=3)),
-    ("hang@1:rank=0:after=30s", Fault("hang", 1, 30.0)),
+    ("hang@1:rank=0:after=30s", Fault("hang", 1, 30.0, rank=0)),
     ("exit@0:code=3:after=10s", Fault("exit", 0, 10.0, code=3)),
     ("exit@1", Fault("exit", 1, 0.0, code=1)),
     ("netdrop@2:after=15s", Fault("netdrop", 2, 15.0)),
@@ -28,6 +28,33 @@ from ma_runtime.supervise.stacks import registry as stacks_registry
 ])
 def test_each_kind_reads_as_documented(text, fault):
     assert parse(text, nodes=3) == fault
+
+
+RTF_NODE1 = {4100 + rank: f"rank {rank}" for rank in range(8, 16)}  # node1 of 2x8 under rtf: RANK_ID 8-15
+
+
+@pytest.mark.parametrize("ranks, rank, found", [
+    (RTF_NODE1, None, (4108, "rank 8")),  # no rank=: the node's first, under any launcher
+    (RTF_NODE1, 11, (4111, "rank 11")),  # rank= is the job's rank
+    ({812: "pid 812 (python)"}, None, (812, "pid 812 (python)")),  # a plain command: its only process
+    ({812: "pid 812 (python)"}, 0, (812, "pid 812 (python)")),
+    ({812: "pid 812 (python)"}, 3, None),  # may name itself later: wait
+    ({}, None, None),  # nothing runs yet: wait
+])
+def test_the_rank_a_fault_hits(ranks, rank, found):
+    assert faults.pick(ranks, rank) == found
+
+
+def test_a_rank_the_node_does_not_run_is_said_not_waited_for():
+    # torchrun with one rank per node: node1's only rank is 1, so exit@1:rank=0 can never happen there.
+    with pytest.raises(faults.NotHere, match=r"^rank 0 is not on this node \(its ranks: 8, 9, 10, 11, 12, 13, 14, "
+                                             r"15\)$"):
+        faults.pick(RTF_NODE1, 0)
+
+
+def test_a_fault_without_rank_says_it_hits_the_node_s_first():
+    assert str(parse("exit@1:code=3:after=1s", nodes=2)) == "exit on node1 (its first rank exits 3) at 1s"
+    assert str(parse("kill@1:rank=9", nodes=2)) == "kill on node1 (SIGKILL to rank 9) at 0s"
 
 
 @pytest.mark.parametrize("text, said", [
