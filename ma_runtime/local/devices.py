@@ -2,9 +2,10 @@
 
 Each node gets the fake tools of fakes/ (the real tools' output formats; fakes/README.md) first on PATH, K device
 nodes (empty files) in a dev folder of its own named by MA_RUNTIME_PREFLIGHT_DEV_DIR, MA_NUM_GPUS=K and the
-preflight's accelerator check set to that accelerator. With npu, the rank table of the whole job (template two:
-every node's address and K devices, the rank ids in node order) is written by fakes/ranktable_writer.py into each
-node's RANK_TABLE_FILE folder as the platform does it: `initializing` first, then `completed`, in pieces.
+preflight's accelerator check set to that accelerator. With npu, the rank table of the whole job (template two by
+default, template one with --ranktable one: every node's address and K devices, the rank ids in node order) is
+written by fakes/ranktable_writer.py into each node's RANK_TABLE_FILE folder as the platform does it: `initializing`
+first, then `completed`, in pieces.
 
 What it proves: the runtime's preflight, rank-table wait and conversion, and the launchers' plans and environment
 per device (rtf's RANK_ID 0..N*K-1) against the platform's formats. Not that the job's code runs on a device.
@@ -30,10 +31,20 @@ IMAGE_RANKTABLE = "/user/config"
 INITIALIZING_SECONDS = 2.0  # how long each node's table says initializing before it is completed
 
 
-def ranktable(nodes, devices: int) -> dict:
-    """Template two for `nodes` (a local.nodes.Nodes) with `devices` devices each, status completed."""
+TEMPLATES = ("one", "two")  # --ranktable: two is what ModelArts writes; one (server_list) what others write
+
+
+def ranktable(nodes, devices: int, template: str = "two") -> dict:
+    """The table of `nodes` (a local.nodes.Nodes) with `devices` devices each, status completed: template two
+    (`group_list`, ranks implied by pod order) or template one (`server_list`, every device's `rank_id`)."""
+    if template == "one":
+        servers = [{"server_id": node.address,
+                    "device": [{"device_id": str(device), "device_ip": _device_ip(node, device),
+                                "rank_id": str(node.index * devices + device)} for device in range(devices)]}
+                   for node in nodes.nodes]
+        return {"status": "completed", "version": "1.0", "server_count": str(len(servers)), "server_list": servers}
     instances = [{"pod_name": node.name, "server_id": node.address,
-                  "devices": [{"device_id": str(device), "device_ip": f"192.168.{node.index + 1}.{device + 1}"}
+                  "devices": [{"device_id": str(device), "device_ip": _device_ip(node, device)}
                               for device in range(devices)]}
                  for node in nodes.nodes]
     return {"status": "completed", "group_count": "1",
@@ -41,9 +52,14 @@ def ranktable(nodes, devices: int) -> dict:
                             "instance_count": str(len(nodes.nodes)), "instance_list": instances}]}
 
 
+def _device_ip(node, device: int) -> str:
+    return f"192.168.{node.index + 1}.{device + 1}"
+
+
 class Devices:
-    def __init__(self, accelerator: str, count: int, scratch: Path, nodes):
+    def __init__(self, accelerator: str, count: int, scratch: Path, nodes, template: str = "two"):
         self.accelerator, self.count, self.scratch, self.nodes = accelerator, count, scratch, nodes
+        self.template = template
         self.writers: List[subprocess.Popen] = []
 
     def environment(self, index: int, image_path: Optional[str] = None) -> Dict[str, str]:
@@ -85,7 +101,7 @@ class Devices:
         if self.accelerator != "npu":
             return
         table = self.scratch / "ranktable-completed.json"
-        table.write_text(json.dumps(ranktable(self.nodes, self.count), indent=4) + "\n")
+        table.write_text(json.dumps(ranktable(self.nodes, self.count, self.template), indent=4) + "\n")
         for index in range(len(self.nodes.nodes)):
             folder = self._table_folder(index)
             folder.mkdir(parents=True, exist_ok=True)

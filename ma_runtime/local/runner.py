@@ -1,8 +1,8 @@
 """`ma-runtime local`: a whole job rehearsed on this machine, as the platform would run it (docs/guides/local.md).
 
     ma-runtime local [--nodes N] [--image IMAGE] [--config job.yaml] [--accelerator none|gpu|npu] [--devices K]
-                     [--method M] [--data obs://bucket/path=./dir]... [--inject FAULT]... [--keep] [--out DIR]
-                     -- CMD...
+                     [--ranktable one|two] [--method M] [--data obs://bucket/path=./dir]... [--inject FAULT]...
+                     [--keep] [--out DIR] -- CMD...
 
 The order of a run, each part in its own module:
 1. the nodes: N network namespaces (nodes.py) and the object store in their switch namespace (store.py), filled
@@ -74,6 +74,8 @@ def _parser() -> _Parser:
     parser.add_argument("--accelerator", choices=("none", "gpu", "npu"), default="none",
                         help="fake devices and tools on each node (the job still runs on CPU)")
     parser.add_argument("--devices", type=int, default=8, help="devices per node with --accelerator (default 8)")
+    parser.add_argument("--ranktable", choices=devices.TEMPLATES,
+                        help="with --accelerator npu: the rank table's template (default two, as ModelArts writes it)")
     parser.add_argument("--method", help="MA_RUN_METHOD of the job (torchrun, mpirun, ...)")
     parser.add_argument("--data", action="append", default=[], metavar="obs://BUCKET/PATH=DIR",
                         help="put DIR (or a file) into the store at that URL before the job starts")
@@ -126,7 +128,11 @@ class Options:
         if self.config is not None and not self.config.is_file():
             raise UsageError(f"--config {parsed.config}: no such file")
         self.data = _data(parsed.data)
+        if parsed.ranktable and parsed.accelerator != "npu":
+            raise UsageError(f"--ranktable {parsed.ranktable}: only an NPU job has a rank table (add "
+                             "--accelerator npu)")
         self.count, self.accelerator, self.devices = parsed.nodes, parsed.accelerator, parsed.devices
+        self.ranktable = parsed.ranktable or "two"
         self.method, self.keep, self.image = parsed.method, parsed.keep, parsed.image
         self.out = Path(parsed.out or f"ma-local-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
@@ -204,7 +210,8 @@ class LocalRun:
         self.done = threading.Event()
         self.injected: List[str] = []
         self.bucket: List[Tuple[str, str, int]] = []
-        self.devices = devices.Devices(options.accelerator, options.devices, self.scratch, self.nodes)
+        self.devices = devices.Devices(options.accelerator, options.devices, self.scratch, self.nodes,
+                                       options.ranktable)
 
     # --------------------------------------------------------------------------------------- the parts
 

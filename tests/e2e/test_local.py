@@ -217,6 +217,20 @@ def test_npu_two_nodes_of_eight_devices_start_sixteen_ranks_from_the_rank_table_
     assert_nothing_left(result)
 
 
+def test_npu_with_a_template_one_rank_table_the_runtime_reads_it_as_written(workdir):
+    show = f"import os; print('{SCRIPT}', 'node', os.environ['VC_TASK_INDEX'], 'rank_id', os.environ['RANK_ID'])"
+    result = local_command(workdir, ["--nodes", "2", "--accelerator", "npu", "--devices", "2", "--ranktable", "one"],
+                           [sys.executable, "-c", show], MA_RUNTIME_PREFLIGHT="off")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr
+    ready = [line for line in result.stdout.splitlines() if 'msg="rank table ready"' in line]
+    assert len(ready) == 2 and all("servers=2 rank_size=4" in line for line in ready), ready
+    found = re.compile(rf"\[node(\d)\] \[rank-(\d+)\] {SCRIPT} node (\d) rank_id (\d+)$")
+    printed = sorted(tuple(map(int, match.groups())) for match in map(found.match, result.stdout.splitlines())
+                     if match)
+    assert printed == [(rank // 2, rank, rank // 2, rank) for rank in range(4)], printed
+    assert_nothing_left(result)
+
+
 def summary_of(result) -> str:
     return result.stdout[result.stdout.index("ma-runtime local: summary"):]
 
