@@ -1,7 +1,8 @@
 """One node's part of a multi-node job run as one (coordinator.py says when), over the job's coordination store.
 
-Worker-0's runtime hosts the embedded store (coordination/embedded/, MA_RUNTIME_COORDINATOR_PORT), or an etcd holds
-it. The rules every node applies alike are coordination/job.py's; this module is what the run does with them:
+Worker-0's runtime (the master, rank 0 by launch/role.py's rule) hosts the embedded store (coordination/embedded/,
+MA_RUNTIME_COORDINATOR_PORT), or an etcd holds it. The rules every node applies alike are coordination/job.py's;
+this module is what the run does with them:
 - a beacon thread heart-beats the node's stage (its key expires after MA_RUNTIME_NODE_LOST_SECONDS of silence)
   and sends this node's first failure or hang the moment the supervisor sees it;
 - `barrier` before every attempt (in the stage thread): a timeout is 81 naming each missing node and its stage;
@@ -30,6 +31,7 @@ from ma_runtime.coordination.store import Store, StoreUnavailable
 from ma_runtime.coordinator import Agreement
 from ma_runtime.errors import Category, ConfigError, ExitCode, RuntimeFailure
 from ma_runtime.launch import registry
+from ma_runtime.launch.role import role
 from ma_runtime.process import lifecycle
 from ma_runtime.process.worker import SIGNAL_NAMES, tail
 from ma_runtime.supervise.supervisor import State
@@ -56,13 +58,14 @@ def start(spec, log) -> "Together":
     """This node's part of the job; worker-0's starts the embedded store now: the others may already be trying to
     reach it."""
     hosts = node_hosts(spec)
+    node = role(spec)  # the master (rank 0: launch/role.py's one rule) hosts the store
     server = None
     if spec.coordinator.startswith("etcd://"):
         connect = _etcd_connect(spec)
     else:
-        if spec.task_index == 0:
+        if node.is_master:
             server = _serve(spec, hosts, log)
-        connect = _embedded_connect(spec, hosts[0])
+        connect = _embedded_connect(spec, node.master or hosts[node.master_task])
     return Together(spec, log, connect, hosts, server)
 
 
@@ -166,7 +169,10 @@ class Together:
         self.spec, self.log = spec, log
         self.connect = connect  # seconds to wait for the first connection -> a new client
         self.hosts = list(hosts)
-        self.me = spec.task_index
+        self.me = spec.task_index  # the store knows each node by its task index
+        node = role(spec)
+        self.is_master = node.is_master  # worker-0: the master, whose runtime hosts the store
+        self.master_task = node.master_task
         self.server = server
         self.policy = attempt_module.Policy.of(spec)
         # mpirun: worker-0's command decides each attempt; the others' ends when it has.
@@ -301,7 +307,7 @@ class Together:
         if verdict.state is State.STOPPED:
             return Agreement(verdict, decision)
         number = attempt.number
-        if verdict.state is State.SUCCEEDED and self.worker_0_decides and self.me != 0:
+        if verdict.state is State.SUCCEEDED and self.worker_0_decides and not self.is_master:
             # mpirun's other node: its command ends when worker-0's has, whose store may be closed by now; worker-0's
             # code is the job's, as without coordination.
             return Agreement(verdict, decision)
@@ -312,7 +318,7 @@ class Together:
             if verdict.state in (State.FAILED, State.HUNG):
                 state.report(self._failure_of(verdict, number))
             elif verdict.state is State.SUCCEEDED:
-                state.ended(number, closes=self.worker_0_decides and self.me == 0)
+                state.ended(number, closes=self.worker_0_decides and self.is_master)
             self._wait_over(state, number)
             origin = state.origin(number)
             secondary = state.secondary(number) if origin is not None else []
@@ -355,12 +361,12 @@ class Together:
         while not state.over(attempt, LOOK_SECONDS):
             if self.lost_store is not None:
                 raise self.lost_store
-            if self.me == 0:
+            if self.is_master:
                 for index in state.lost(attempt):
                     state.report(self.lost_node(index, attempt))
 
     def _store_lost(self, exc: StoreUnavailable) -> RuntimeFailure:
-        failure = RuntimeFailure(f"coordinator on {self.hosts[0]} lost: {exc}", stage="coordinator",
+        failure = RuntimeFailure(f"coordinator on {self.hosts[self.master_task]} lost: {exc}", stage="coordinator",
                                  hint="worker-0's runtime (which hosts the job's store) is gone or cannot be "
                                       "reached: see worker-0's log")
         failure.exit_code = ExitCode.STOPPED_FOR_JOB
@@ -463,7 +469,8 @@ class Watch:
             # Worker-0 looks for lost nodes every LOOK_SECONDS; the others only wait, and a wait as long as half
             # MA_RUNTIME_NODE_LOST_SECONDS still finds a lost store within the bound (the reply is late after the
             # other half): a 1 s re-wait was most of the store's CPU at 1 024 nodes (benchmarks/coordination_scale).
-            slice_seconds = LOOK_SECONDS if together.me == 0 else max(LOOK_SECONDS, together.spec.node_lost_seconds / 2)
+            slice_seconds = (LOOK_SECONDS if together.is_master
+                             else max(LOOK_SECONDS, together.spec.node_lost_seconds / 2))
             while not self._stopped.is_set():
                 if state.over(self.attempt, slice_seconds):
                     origin = state.origin(self.attempt)
@@ -474,14 +481,15 @@ class Watch:
                     return
                 if together.lost_store is not None:
                     raise together.lost_store
-                if together.me == 0:
+                if together.is_master:
                     for index in state.lost(self.attempt):
                         state.report(together.lost_node(index, self.attempt))
         except StoreUnavailable as exc:
             if not self._stopped.is_set():
                 together.lost_store = exc
                 lost = together._store_lost(exc)
-                self._tell(Failure(LOST, 0, together.hosts[0], self.attempt, lost.reason))
+                self._tell(Failure(LOST, together.master_task, together.hosts[together.master_task], self.attempt,
+                                   lost.reason))
         except ValueError as exc:
             together.log.warning("coordination watch stopped", error=str(exc))
 

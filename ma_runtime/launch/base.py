@@ -53,10 +53,12 @@ class Plan:
     nodes: Size
     processes_per_node: Size
     warnings: Tuple[str, ...] = ()
+    node: Any = None  # role.Role: this node's rank and the master (plan.build adds it)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"method": self.method, "why": self.why, "nodes": self.nodes,
                 "processes_per_node": self.processes_per_node, "warnings": list(self.warnings),
+                "node": self.node.to_dict() if self.node is not None else None,
                 "workers": [w.to_dict() for w in self.workers]}
 
 
@@ -90,40 +92,6 @@ def common_env(spec, attempt: int) -> Dict[str, str]:
 
 def per_node(spec) -> int:
     return spec.nproc_per_node or max(spec.num_gpus, 1)  # MA_NUM_GPUS=0: one process
-
-
-def master_host(spec, environ: Mapping[str, str]) -> str:
-    """Worker-0's domain name: the first of VC_WORKER_HOSTS, else `<vj>-<task>-0.<vj>` (invalid on supernodes)."""
-    hosts = worker_hosts(spec)
-    if hosts:
-        return hosts[0]
-    if spec.vj_name:
-        return f"{spec.vj_name}-{spec.task_name}-0.{spec.vj_name}"
-    raise ConfigError("a multi-node launch needs worker-0's address, and VC_WORKER_HOSTS and MA_VJ_NAME are unset",
-                      hint="the platform sets VC_WORKER_HOSTS; set it when running elsewhere")
-
-
-def worker_hosts(spec) -> List[str]:
-    """VC_WORKER_HOSTS in order (worker-0 first); a trailing comma is tolerated, a hole is not (it would shift
-    who worker-0 is), and the count must be MA_NUM_HOSTS."""
-    hosts = [host.strip() for host in (spec.worker_hosts or "").split(",")]
-    while hosts and not hosts[-1]:
-        hosts.pop()
-    if not hosts:
-        return []
-    if not all(hosts):
-        raise ConfigError(f"VC_WORKER_HOSTS has an empty entry: {spec.worker_hosts!r}",
-                          hint="list every node's domain name, worker-0 first, separated by commas")
-    if len(hosts) != spec.num_hosts:
-        raise ConfigError(f"VC_WORKER_HOSTS names {len(hosts)} node(s), but MA_NUM_HOSTS={spec.num_hosts}",
-                          hint="the two must describe the same job")
-    return hosts
-
-
-def check_node_rank(spec) -> None:
-    if not 0 <= spec.task_index < spec.num_hosts:
-        raise ConfigError(f"VC_TASK_INDEX={spec.task_index} is not below MA_NUM_HOSTS={spec.num_hosts}",
-                          hint="this node's index counts from 0 among the job's nodes")
 
 
 def check_once_per_node(spec, why: str, starter: str) -> None:
@@ -219,6 +187,10 @@ class Launcher(abc.ABC):
     # Whether worker-0's command alone decides each attempt of a multi-node job: the other nodes only serve it (an
     # sshd for mpirun's ranks), and their command ends when worker-0's has (together.Watch stops it).
     OUTCOME_ON_WORKER_0 = False
+    # Whether its nodes have one job-wide rank (launch/role.py): the plan shows it, and every command gets the job's
+    # variables (MASTER_ADDR, NODE_RANK, ...). False where the job's nodes are of several tasks each numbered from 0
+    # (TensorFlow's ps and workers).
+    JOB_WIDE_RANK = True
     # The names of the workers its plans hold (WorkerPlan.name), which supervise/ranks.py and supervise/stacks/
     # know a worker's tree by: "command" for a launch that runs the command as given.
     WORKERS = re.compile(r"command\Z")
@@ -230,6 +202,15 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def build(self, spec, context: Context, why: str) -> Plan:
         """The processes to start for one attempt: pure, but for `context`'s lookups."""
+
+    def job_variables(self, spec, context: Context, plan: Plan) -> Any:
+        """The variables every command of the job gets (role.JobVariables), agreeing with what this launcher is
+        given: by default the master's name (`plan.node`), MA_TORCHRUN_MASTER_PORT's value, and the plan's
+        processes per node."""
+        from ma_runtime.launch.role import JobVariables
+
+        return JobVariables(plan.node.master, spec.torchrun_master_port, spec.num_hosts, plan.node.node_rank,
+                            plan.processes_per_node)
 
     def forwards_to(self, launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
         """The pids the launcher process will itself signal when it receives SIGTERM or SIGINT, so that the

@@ -3,8 +3,9 @@
 The nodes (README, "mpirun"):
 - every node of a multi-node job starts an sshd on MY_SSHD_PORT (sshd.py), as the job's service, before
   its plan is built: mpirun on worker-0 starts its daemons (orted) on the others over ssh;
-- worker-0 (VC_TASK_INDEX 0) waits, bounded, until every node's sshd answers (`Context.reach`), writes the
-  hostfile (`<ip> slots=<n>`, worker-0 first) and runs mpirun, whose exit code is the job's;
+- worker-0 (the master: launch/role.py, VC_TASK_INDEX 0 without dynamic routing) waits, bounded, until every
+  node's sshd answers (`Context.reach`), writes the hostfile (`<ip> slots=<n>`, worker-0 first) and runs
+  mpirun, whose exit code is the job's;
 - every other node runs no command of its own (its ranks come through its sshd): its plan is the peers
   watcher, which exits 0 once worker-0's sshd has answered and then gone, i.e. once worker-0's run has ended
   and swept its services. Its runtime then ends too, and sweeps its sshd and whatever orted left.
@@ -34,15 +35,13 @@ from ma_runtime.launch.base import (
     Plan,
     RootCause,
     WorkerPlan,
-    check_node_rank,
     childrens_groups,
     common_env,
     find_launcher,
-    master_host,
     per_node,
     split_extra,
-    worker_hosts,
 )
+from ma_runtime.launch.role import node_names, role
 from ma_runtime.setting import INTERFACES, Setting, env_names, integer, matching, port, text
 from ma_runtime.util.redact import is_secret_name
 
@@ -71,8 +70,8 @@ HOSTFILE = "hostfile"
 _FAMILIES = ("MA_", "VC_WORKER_", "S3_", "SHARED_", "NCCL_", "HCCL_", "HOROVOD_", "OMP_", "PYTHON")
 _NAMES = frozenset(("PATH", "LD_LIBRARY_PATH", "LD_PRELOAD"))
 # This node's own: another node's ranks must not get worker-0's values.
-_THIS_NODE = frozenset(("VC_TASK_INDEX", "MA_TASK_INDEX", "VK_TASK_INDEX", "MA_RUNTIME_LINEAGE",
-                        "MA_RUNTIME_STACKS_DIR", "MA_RUNTIME_STACKS_SIGNAL"))
+_THIS_NODE = frozenset(("VC_TASK_INDEX", "MA_TASK_INDEX", "VK_TASK_INDEX", "NODE_RANK", "RANK_AFTER_ACC",
+                        "MA_RUNTIME_LINEAGE", "MA_RUNTIME_STACKS_DIR", "MA_RUNTIME_STACKS_SIGNAL"))
 _THIS_NODE_FAMILY = "MA_CURRENT_"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # The root causes mpirun's summaries name, e.g. `Process name: [[15347,1],2]` then `Exit code:    3`.
@@ -102,9 +101,8 @@ class Mpirun(Launcher):
         count = spec.mpi_slots or per_node(spec)
         if spec.num_hosts <= 1:
             return _mpirun_plan(spec, context, why, count, ["localhost"])
-        check_node_rank(spec)
-        nodes = node_names(spec, context.environ)
-        if spec.task_index != 0:
+        nodes = node_names(spec)  # the master first: its mpirun's ranks come first
+        if not role(spec).is_master:
             return _watcher_plan(spec, context, why, count, nodes[0])
         addresses = context.reach([(node, spec.sshd_port) for node in nodes])
         if len(addresses) != len(nodes):
@@ -132,26 +130,17 @@ class Mpirun(Launcher):
         public key, and the others fetch it from worker-0 first (sshd.py)."""
         if spec.num_hosts <= 1:
             return
-        check_node_rank(spec)
         # A job without the nodes' names fails before an sshd is started for nothing.
-        worker_0 = node_names(spec, environ)[0]
+        worker_0 = node_names(spec)[0]
         from ma_runtime.launch import sshd
 
-        sshd.start(spec, environ, log, stopped, sinks, client=spec.task_index == 0, worker_0=worker_0)
+        sshd.start(spec, environ, log, stopped, sinks, client=role(spec).is_master, worker_0=worker_0)
 
 
 LAUNCHER = Mpirun()
 
 
 # --------------------------------------------------------------------------- the plan
-
-
-def node_names(spec, environ: Mapping[str, str]) -> List[str]:
-    """Every node's domain name, worker-0 first: VC_WORKER_HOSTS, else the platform's
-    `${MA_VJ_NAME}-${MA_TASK_NAME}-<i>.${MA_VJ_NAME}` (run_mpi.sh's; not valid on supernode pools)."""
-    master_host(spec, environ)  # the one error for a job that names neither
-    return worker_hosts(spec) or [f"{spec.vj_name}-{spec.task_name}-{index}.{spec.vj_name}"
-                                  for index in range(spec.num_hosts)]
 
 
 def _mpirun_plan(spec, context: Context, why: str, count: int, hosts: Sequence[str]) -> Plan:

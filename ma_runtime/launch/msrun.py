@@ -14,6 +14,7 @@ So the supervisor signals the ranks itself, and the rank logs are followed
 from `rank_logs`. Each attempt writes to its own folder, `msrun/attempt-<N>`.
 """
 
+import itertools
 import os
 import re
 import shlex
@@ -29,13 +30,12 @@ from ma_runtime.launch.base import (
     Machinery,
     Plan,
     WorkerPlan,
-    check_node_rank,
     common_env,
     find_launcher,
-    master_host,
     per_node,
     python_folder,
 )
+from ma_runtime.launch.role import JobVariables, role
 from ma_runtime.setting import WEEK_SECONDS, Setting, integer, port, switch
 
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
@@ -68,6 +68,13 @@ class Msrun(Launcher):
     def build(self, spec, context: Context, why: str) -> Plan:
         return _plan(self.NAME, spec, context, why)
 
+    def job_variables(self, spec, context: Context, plan: Plan) -> JobVariables:
+        """What msrun is given: the master's IP (its --master_addr) and --master_port."""
+        flags = itertools.takewhile(lambda token: token.startswith("--"), plan.workers[0].argv[1:])  # to the script
+        given = dict(token[2:].split("=", 1) for token in flags if "=" in token)
+        return JobVariables(given["master_addr"], spec.msrun_master_port, spec.num_hosts, plan.node.node_rank,
+                            plan.processes_per_node)
+
     def rank_logs(self, plan: Plan) -> Optional[str]:
         """The folder the ranks write `worker_<rank>.log` to."""
         return plan.workers[0].logs.get(_RANK_LOGS)
@@ -83,12 +90,11 @@ def _plan(name: str, spec, context: Context, why: str) -> Plan:
         raise ConfigError(f"msrun runs a Python script, and the command is {shlex.join(argv)!r}",
                           hint="give the command as `python SCRIPT.py ARGS...`")
     count = per_node(spec)
-    if spec.num_hosts > 1:
-        check_node_rank(spec)
-    master = "127.0.0.1" if spec.num_hosts <= 1 else context.resolve(master_host(spec, context.environ))
+    node = role(spec)
+    master = "127.0.0.1" if spec.num_hosts <= 1 else context.resolve(node.need_master())
     log_dir = spec.log_dir / "msrun" / f"attempt-{context.attempt}"
     command = [launcher, f"--worker_num={spec.num_hosts * count}", f"--local_worker_num={count}",
-               f"--master_addr={master}", f"--node_rank={spec.task_index}",
+               f"--master_addr={master}", f"--node_rank={node.node_rank}",
                f"--master_port={spec.msrun_master_port}", f"--log_dir={log_dir}", "--join=True",
                f"--cluster_time_out={spec.msrun_cluster_time_out}",
                # No `tail -f` children: the runtime follows the rank logs itself, with rank prefixes. ("-1" means
@@ -102,7 +108,7 @@ def _plan(name: str, spec, context: Context, why: str) -> Plan:
     command += argv[1:]
     env = {**common_env(spec, context.attempt), "PATH": _python_first(context)}
     worker = WorkerPlan(name, tuple(command), env, logs={"task": str(spec.task_log_path), _RANK_LOGS: str(log_dir)})
-    return Plan(name, why, (worker,), spec.num_hosts, count)
+    return Plan(name, why, (worker,), spec.num_hosts, count, node=node)
 
 
 def _python_first(context: Context) -> str:

@@ -13,7 +13,9 @@ from ma_runtime.launch.base import (
     Plan,
     WorkerPlan,
     common_env,
+    per_node,
 )
+from ma_runtime.launch.role import JobVariables
 
 
 class Plain(Launcher):
@@ -31,6 +33,12 @@ class Plain(Launcher):
         worker = WorkerPlan("command", tuple(context.argv), common_env(spec, context.attempt),
                             logs={"task": str(spec.task_log_path)})
         return Plan(self.NAME, why, (worker,), spec.num_hosts, 1)
+
+    def job_variables(self, spec, context: Context, plan: Plan) -> JobVariables:
+        """Per node, the processes the command's own launcher should start: one per card (MA_NUM_GPUS, at
+        least 1), as the platform's DDP scripts take NGPUS_PER_NODE from MA_NUM_GPUS."""
+        return JobVariables(plan.node.master, spec.torchrun_master_port, spec.num_hosts, plan.node.node_rank,
+                            per_node(spec))
 
 
 LAUNCHER = Plain()

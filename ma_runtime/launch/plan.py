@@ -36,12 +36,12 @@ import dataclasses
 import shlex
 from typing import Any, Mapping, Optional, Tuple
 
-from ma_runtime.launch import registry
-from ma_runtime.launch.base import Context, Plan, Size, WorkerPlan, common_env, master_host, worker_hosts
+from ma_runtime.launch import registry, role
+from ma_runtime.launch.base import Context, Plan, Size, WorkerPlan, common_env
 from ma_runtime.util import accelerators
 
 __all__ = ["RTF", "TORCHRUN", "MSRUN", "PLAIN", "METHODS", "Context", "Plan", "Size", "WorkerPlan", "common_env",
-           "master_host", "worker_hosts", "choose", "build", "render"]
+           "choose", "build", "render", "kept_variables"]
 RTF, TORCHRUN, MSRUN, PLAIN = "rtf", "torchrun", "msrun", "plain"
 METHODS = registry.METHODS
 
@@ -62,9 +62,27 @@ def choose(spec) -> Tuple[str, str]:
 
 def build(spec, context: Context) -> Plan:
     method, why = choose(spec)
-    plan = registry.launcher(method).build(spec, context, why)
+    launcher = registry.launcher(method)
+    plan = launcher.build(spec, context, why)
+    if launcher.JOB_WIDE_RANK:
+        plan = dataclasses.replace(plan, node=plan.node or role.role(spec))
+        plan = _with_job_variables(plan, launcher.job_variables(spec, context, plan).env(), context.environ)
     rejection = _preflight_rejection(spec, context, plan)
     return dataclasses.replace(plan, warnings=(rejection,)) if rejection else plan
+
+
+def _with_job_variables(plan: Plan, variables: Mapping[str, str], environ: Mapping[str, str]) -> Plan:
+    """Every worker given the job's variables (role.JobVariables) that the job does not set itself: a value the
+    job gave (or its pre-start hook exported) wins. A launcher's own value for a name wins too."""
+    given = {name: value for name, value in variables.items() if name not in environ}
+    workers = tuple(dataclasses.replace(worker, env={**given, **worker.env}) for worker in plan.workers)
+    return dataclasses.replace(plan, workers=workers)
+
+
+def kept_variables(environ: Mapping[str, str]) -> Tuple[str, ...]:
+    """The names of the job's variables (role.JobVariables) the job sets itself, which the runtime leaves as they
+    are (the run logs them once)."""
+    return tuple(name for name in role.JOB_VARIABLE_NAMES if name in environ)
 
 
 # --------------------------------------------------------------------------- warnings

@@ -9,7 +9,7 @@ platform's sample mp.spawns one per GPU and multiplies both by its GPU count), s
 once whatever MA_NUM_GPUS says.
 
 Worker-0 (D36): 127.0.0.1 on one node (nothing to resolve, the rendezvous stays in the container); on several,
-worker-0's name (base.master_host), which torch resolves itself when it connects. The port is
+the master's name (launch/role.py), which torch resolves itself when it connects. The port is
 MA_RUNTIME_INIT_METHOD_PORT: the platform's documents give none.
 
 It forwards nothing: what the command spawns stays in its process group, which the supervisor signals once; the
@@ -24,11 +24,11 @@ from ma_runtime.launch.base import (
     Launcher,
     Plan,
     WorkerPlan,
-    check_node_rank,
     check_once_per_node,
     common_env,
-    master_host,
+    per_node,
 )
+from ma_runtime.launch.role import JobVariables, role
 from ma_runtime.setting import Setting, port
 
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
@@ -51,6 +51,11 @@ class PytorchGpu(Launcher):
                             logs={"task": str(spec.task_log_path)})
         return Plan(self.NAME, why, (worker,), spec.num_hosts, 1)
 
+    def job_variables(self, spec, context: Context, plan: Plan) -> JobVariables:
+        """The --init_method's host and port; per node, the processes the boot file starts (one per card)."""
+        master = LOCAL_HOST if spec.num_hosts <= 1 else plan.node.master
+        return JobVariables(master, spec.init_method_port, spec.num_hosts, plan.node.node_rank, per_node(spec))
+
 
 LAUNCHER = PytorchGpu()
 
@@ -58,6 +63,6 @@ LAUNCHER = PytorchGpu()
 def preset_arguments(spec, context: Context) -> List[str]:
     if spec.num_hosts <= 1:
         return ["--init_method", f"tcp://{LOCAL_HOST}:{spec.init_method_port}"]
-    check_node_rank(spec)
-    address = f"tcp://{master_host(spec, context.environ)}:{spec.init_method_port}"
-    return ["--init_method", address, "--rank", str(spec.task_index), "--world_size", str(spec.num_hosts)]
+    node = role(spec)
+    address = f"tcp://{node.need_master()}:{spec.init_method_port}"
+    return ["--init_method", address, "--rank", str(node.node_rank), "--world_size", str(spec.num_hosts)]

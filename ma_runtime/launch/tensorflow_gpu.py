@@ -48,6 +48,7 @@ class TensorflowGpu(Launcher):
     # The ps and the workers are two tasks, each its own VC_TASK_INDEX from 0 and its own hosts, and a ps ends by
     # watching the workers' ports (peers.py), not with them: each container acts alone, as before.
     JOB_AS_ONE = False
+    JOB_WIDE_RANK = False  # no one node rank or master for the whole job: the appended --task_index and hosts say it
 
     def build(self, spec, context: Context, why: str) -> Plan:
         check_once_per_node(spec, why, "each ps and worker container runs one TensorFlow task")

@@ -44,14 +44,13 @@ from ma_runtime.launch.base import (
     RootCause,
     Size,
     WorkerPlan,
-    check_node_rank,
     childrens_groups,
     common_env,
     find_launcher,
-    master_host,
     per_node,
     split_extra,
 )
+from ma_runtime.launch.role import JobVariables, role
 from ma_runtime.setting import Setting, port, text
 
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
@@ -81,22 +80,23 @@ class Torchrun(Launcher):
 
     def build(self, spec, context: Context, why: str) -> Plan:
         launcher = find_launcher(context, "torchrun", "torch (pip install torch)")
-        count = per_node(spec)
-        if spec.num_hosts <= 1:
-            preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}"]
-        else:
-            check_node_rank(spec)
-            preset = [f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}", f"--node_rank={spec.task_index}",
-                      f"--master_addr={master_host(spec, context.environ)}",
-                      f"--master_port={spec.torchrun_master_port}", f"--rdzv_id={spec.job_id}",
-                      "--rdzv_backend=static"]
-        extra = split_extra("MA_EXTRA_TORCHRUN_PARAMS", spec.extra_torchrun_params)
-        flags = [*_without_flags(preset, _flag_names(extra)), *extra]
+        flags = _flags(spec)
         argv = [launcher, *flags, *_program(context.argv)]
         worker = WorkerPlan(self.NAME, tuple(argv), common_env(spec, context.attempt),
                             logs={"task": str(spec.task_log_path)})
         # What torchrun will do, so read from its flags (MA_EXTRA_TORCHRUN_PARAMS may have replaced the preset ones).
         return Plan(self.NAME, why, (worker,), _flag_value(flags, "nnodes"), _flag_value(flags, "nproc_per_node"))
+
+    def job_variables(self, spec, context: Context, plan: Plan) -> JobVariables:
+        """What torchrun is given, MA_EXTRA_TORCHRUN_PARAMS included (torchrun gives its ranks MASTER_ADDR and
+        MASTER_PORT itself: the command's agree with theirs); one node's torchrun is given no master (--standalone):
+        `localhost` and MA_TORCHRUN_MASTER_PORT's value, as for plain."""
+        flags = _flags(spec)
+        master = _flag_value(flags, "master_addr") or plan.node.master
+        port = _flag_value(flags, "master_port") or spec.torchrun_master_port
+        rank = _flag_value(flags, "node_rank")
+        return JobVariables(str(master), port, plan.nodes, plan.node.node_rank if rank == "" else rank,
+                            plan.processes_per_node)
 
     def forwards_to(self, launcher_pid: int, table: Mapping[int, Any]) -> Set[int]:
         """See the module docstring: the groups its ranks lead, while it can run its handler."""
@@ -122,6 +122,21 @@ LAUNCHER = Torchrun()
 
 
 # --------------------------------------------------------------------------- the plan's flags
+
+
+def _flags(spec) -> List[str]:
+    """torchrun's flags: the platform's preset ones (this node's rank and the master from launch/role.py), those
+    MA_EXTRA_TORCHRUN_PARAMS names replaced by its own."""
+    count = per_node(spec)
+    if spec.num_hosts <= 1:
+        preset = ["--standalone", f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}"]
+    else:
+        node = role(spec)
+        preset = [f"--nnodes={spec.num_hosts}", f"--nproc_per_node={count}", f"--node_rank={node.node_rank}",
+                  f"--master_addr={node.need_master()}", f"--master_port={spec.torchrun_master_port}",
+                  f"--rdzv_id={spec.job_id}", "--rdzv_backend=static"]
+    extra = split_extra("MA_EXTRA_TORCHRUN_PARAMS", spec.extra_torchrun_params)
+    return [*_without_flags(preset, _flag_names(extra)), *extra]
 
 
 def _program(argv: Sequence[str]) -> List[str]:

@@ -57,6 +57,13 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("task_index", "VC_TASK_INDEX", integer(0, 99_999), "this container's index in the job", 0,
             # The platform's fallbacks, in this order (docs/platform.md: run_mpi.sh reads them too).
             aliases=("MA_TASK_INDEX", "VK_TASK_INDEX"), exported=True),
+    # Dynamic routing (the platform's ROUTE_PLAN): this node's rank and the master (launch/role.py, the one rule).
+    Setting("route_plan", "ROUTE_PLAN", switch, "the platform's dynamic routing: the node rank is RANK_AFTER_ACC "
+            "and the master MA_MASTER_INDEX's node", False, cli=False),
+    Setting("rank_after_acc", "RANK_AFTER_ACC", integer(0, 99_999), "this node's rank after dynamic routing "
+            "(with ROUTE_PLAN=true; default: VC_TASK_INDEX)", None, cli=False),
+    Setting("master_index", "MA_MASTER_INDEX", integer(0, 99_999), "the master's task index under dynamic "
+            "routing on Snt9b (with ROUTE_PLAN=true; unset: the first of VC_WORKER_HOSTS)", None, cli=False),
     Setting("num_hosts", "MA_NUM_HOSTS", integer(1, 100_000), "number of nodes in the job", 1, exported=True),
     Setting("num_gpus", "MA_NUM_GPUS", integer(0, 1024), "accelerator cards (GPU or NPU) in this container", 0,
             exported=True),

@@ -118,6 +118,10 @@ def plan_attempt(spec: spec_module.JobSpec, command: Sequence[str], prepared: Pr
                                                        exported=tuple(sorted(exported))))
     for warning in plan.warnings:
         log.warning(warning)
+    if attempt.number == attempt.first:  # once per run: every attempt's environment is the same
+        for name in plan_module.kept_variables(prepared.environ):
+            log.info("the job sets this variable itself: the runtime does not give its own", name=name,
+                     value=prepared.environ[name])
     return plan
 
 

@@ -22,7 +22,7 @@ from ma_runtime.process.table import Proc
 from tests.conftest import MA_RUNTIME
 from tests.unit import test_plan as plans
 from tests.unit.test_launchers import TORCHRUN_SUMMARY
-from tests.unit.test_plan import HOSTS, VJ, build
+from tests.unit.test_plan import HOSTS, VJ, build, job_variables
 
 job = plans.job  # the same fixture: job(**variables) -> (JobSpec, environ) under tmp_path
 
@@ -80,7 +80,8 @@ def test_pytorch_gpu_single_node_appends_only_init_method_on_the_loopback(job):
     (worker,) = result.workers
     assert worker.name == "command" and worker.cwd is None and worker.rank is None
     assert worker.argv == ("python", "train.py", "--epochs", "3", "--init_method", "tcp://127.0.0.1:29500")
-    assert worker.env == COMMON_ENV
+    # The job's variables agree with --init_method; per node, the processes the boot file spawns (one per GPU).
+    assert worker.env == {**COMMON_ENV, **job_variables("127.0.0.1", 29500, 1, 0, 8)}
     assert worker.logs == {"task": str(job_spec.task_log_path)}
 
 

@@ -25,6 +25,7 @@ from ma_runtime.process.table import processes
 from ma_runtime.util.output import Sink
 from tests.conftest import alive, free_port, wait_for_file
 from tests.recording import Log
+from tests.unit.test_plan import job_variables
 
 VJ = "ma-job-0f8e2c1a"
 HOSTS = [f"{VJ}-worker-{index}.{VJ}" for index in range(3)]
@@ -112,7 +113,8 @@ def test_one_node_runs_mpirun_with_a_local_hostfile_and_no_ssh(job):
                            "-x", "MA_HOME", "-x", "MA_PROC_START_CNT", "-x", "MA_RUN_METHOD", "-x", "MA_SCHEDULE_CNT",
                            "-x", "PATH", "python", "train.py", "--lr=0.1")
     assert worker.files == {hostfile: "localhost slots=4\n"}
-    assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1"}
+    assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1",
+                          **job_variables("localhost", 18888, 1, 0, 4)}
     assert worker.logs == {"task": str(job_spec.task_log_path)}
 
 
@@ -193,7 +195,9 @@ def test_the_other_nodes_run_the_watcher_of_worker_0s_sshd_and_no_mpirun(job, in
     assert worker.name == "watcher"
     assert worker.argv[1:] == ("-m", "ma_runtime.launch.peers", "--until-gone", f"{HOSTS[0]}:2222",
                                "--appear-seconds", "45")
-    assert worker.files == {} and worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1"}
+    assert worker.files == {}
+    assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1",
+                          **job_variables(HOSTS[0], 18888, 3, index, result.processes_per_node)}
     assert (result.method, result.nodes) == ("mpirun", 3)
 
 

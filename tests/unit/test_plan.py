@@ -23,7 +23,7 @@ import pytest
 
 from ma_runtime import spec
 from ma_runtime.errors import ConfigError, ExitCode
-from ma_runtime.launch import plan
+from ma_runtime.launch import plan, role
 from ma_runtime.launch.args import build_argv
 from ma_runtime.stages import ranktable, stagein
 from ma_runtime.stages.ranktable import convert as table_convert
@@ -211,7 +211,8 @@ def test_plain_runs_the_command_once_as_given(job):
     (worker,) = result.workers
     assert worker.name == "command"
     assert worker.argv == ("bash", "run.sh", "--x", "--lr=0.1")
-    assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1"}
+    assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1",
+                          **job_variables("localhost", 18888, 1, 0, 8)}
     assert worker.cwd is None and worker.rank is None
     assert worker.logs == {"task": str(job_spec.task_log_path)}
     assert worker.logs["task"].endswith(f"modelarts-job-{UUID}-worker-0.log")
@@ -230,7 +231,8 @@ def test_torchrun_single_node_is_the_documented_command(job):
     assert worker.name == "torchrun"
     assert worker.argv == ("/opt/bin/torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=8",
                            "train.py", "--epochs", "3")
-    assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1"}
+    assert worker.env == {"MA_PROC_START_CNT": "1", "MA_SCHEDULE_CNT": "1",
+                          **job_variables("localhost", 18888, 1, 0, 8)}
     assert worker.logs == {"task": str(job_spec.task_log_path)}
     # Looked up on the job's PATH (after the folder of the job's `python`, which is not on it here).
     assert [call for call in which.calls if call[0] in ("python", "torchrun")] == [("python", PATH), ("torchrun", PATH)]
@@ -274,13 +276,13 @@ def test_torchrun_master_is_the_first_worker_host_stripped(job):
 
 def test_torchrun_master_falls_back_to_the_volcano_name_of_worker_zero(job):
     job_spec, environ = multi_node(job, VC_WORKER_HOSTS=None, MA_TASK_NAME="worker")
-    assert plan.master_host(job_spec, environ) == f"{VJ}-worker-0.{VJ}"
+    assert role.role(job_spec).master == f"{VJ}-worker-0.{VJ}"
     assert f"--master_addr={VJ}-worker-0.{VJ}" in build(job_spec, environ).workers[0].argv
 
 
 def test_master_fallback_uses_the_task_name(job):
     job_spec, environ = multi_node(job, VC_WORKER_HOSTS="", MA_TASK_NAME="learner")
-    assert plan.master_host(job_spec, environ) == f"{VJ}-learner-0.{VJ}"
+    assert role.role(job_spec).master == f"{VJ}-learner-0.{VJ}"
 
 
 def test_torchrun_multi_node_without_any_master_address_is_a_configuration_error(job):
@@ -424,7 +426,8 @@ def test_msrun_single_node_is_the_documented_command(job, tmp_path):
         "train.py", "--epochs", "3",
     )
     assert worker.logs == {"task": str(job_spec.task_log_path), "msrun": str(log_dir)}
-    assert worker.env == {"MA_PROC_START_CNT": "2", "MA_SCHEDULE_CNT": "1", "PATH": f"/opt/venv/bin:{PATH}"}
+    assert worker.env == {"MA_PROC_START_CNT": "2", "MA_SCHEDULE_CNT": "1", "PATH": f"/opt/venv/bin:{PATH}",
+                          **job_variables("127.0.0.1", 8118, 1, 0, 8)}
     assert [call for call in which.calls if call[0] == "msrun"] == [("msrun", "/opt/venv/bin"), ("msrun", PATH)]
 
 
@@ -527,8 +530,17 @@ def test_msrun_not_installed_names_the_package(job):
 # --------------------------------------------------------------------------- RTF
 
 
+def job_variables(master, port, nodes, rank, per_node):
+    """What every command of the job is given (launch/role.py JobVariables) unless the job sets it."""
+    return {"MASTER_ADDR": master, "MASTER_PORT": str(port), "NNODES": str(nodes), "NODE_RANK": str(rank),
+            **{name: str(per_node) for name in ("NPUS_PER_NODE", "GPUS_PER_NODE", "NPROC_PER_NODE")}}
+
+
 def rtf_env(job_spec, table, rank, logical, start="1", schedule="1"):
+    nodes = job_spec.num_hosts
     return {
+        **job_variables(f"{VJ}-worker-0.{VJ}" if nodes > 1 else "localhost", 18888, nodes,
+                        rank // len(table.node.devices), len(table.node.devices)),
         "MA_PROC_START_CNT": start,
         "MA_SCHEDULE_CNT": schedule,
         "RANK_TABLE_FILE": str(table.path),
@@ -666,7 +678,8 @@ def test_plan_to_dict_has_the_documented_shape(job, tmp_path):
     for method, result in every_method(job, tmp_path):
         document = json.loads(json.dumps(result.to_dict()))  # JSON-ready as it is
         assert document["method"] == method
-        assert set(document) == {"method", "why", "nodes", "processes_per_node", "warnings", "workers"}
+        assert set(document) == {"method", "why", "nodes", "processes_per_node", "warnings", "node", "workers"}
+        assert document["node"] == (result.node.to_dict() if method != "tensorflow-gpu" else None)
         assert document["warnings"] == list(result.warnings)
         assert (document["nodes"], document["processes_per_node"]) == (result.nodes, result.processes_per_node)
         assert len(document["workers"]) == len(result.workers)

@@ -117,10 +117,10 @@ def peek(spec, environ: Mapping[str, str]) -> Optional[Prepared]:
 
 
 def _resolved(spec, environ: Mapping[str, str]) -> Dict[str, str]:
-    """The environment `node_view` reads, with the job's resolved task index and card count: a value
+    """The environment `node_view` reads, with the job's resolved rank variables and card count: a value
     given by flag or job file counts as much as the variable (flags > env > file > defaults)."""
     view = dict(environ)
-    for name in ("task_index", "num_gpus"):
+    for name in ("task_index", "num_gpus", "route_plan", "rank_after_acc"):
         if spec.sources.get(name, "default") != "default":
             view[SETTINGS_BY_NAME[name].env] = str(getattr(spec, name))  # the setting's first variable wins
     return view

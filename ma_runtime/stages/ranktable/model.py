@@ -103,6 +103,6 @@ class NodeView:
 
     server_id: str
     pod_name: Optional[str]
-    matched_by: str  # "pod name", "MA_CURRENT_IP", "VC_TASK_INDEX" or "the only pod"
+    matched_by: str  # "pod name", "MA_CURRENT_IP", "VC_TASK_INDEX", "RANK_AFTER_ACC" or "the only pod"
     devices: Tuple[LocalDevice, ...]  # in rank order
     rank_size: int

@@ -4,6 +4,7 @@ ranks and logical ids."""
 from typing import Mapping, Tuple
 
 from ma_runtime import spec
+from ma_runtime.launch.role import node_rank_of
 from ma_runtime.stages.ranktable.model import Instance, LocalDevice, NodeView, Ranked, RankTableError
 
 # What identifies this pod, read here rather than from the JobSpec: it names the pod, it does not configure the
@@ -37,14 +38,17 @@ def _find_node(ranked: Ranked, environ: Mapping[str, str], hostname: str) -> Tup
     matches = [instance for instance in ranked.instances if current_ip and instance.server_id == current_ip]
     if len(matches) == 1:
         return matches[0], "MA_CURRENT_IP"
-    index = spec.value_from("task_index", environ)  # VC_TASK_INDEX, else its fallbacks: spec's one rule
+    # This node's rank (launch/role.py's rule: RANK_AFTER_ACC under dynamic routing, else VC_TASK_INDEX or its
+    # fallbacks), its variables read through spec's one rule: the table lists the pods in rank order.
+    index, variable = node_rank_of(bool(spec.value_from("route_plan", environ)),
+                                   spec.value_from("rank_after_acc", environ), spec.value_from("task_index", environ))
     if index is not None and 0 <= index < len(ranked.instances):
-        return ranked.instances[index], "VC_TASK_INDEX"
+        return ranked.instances[index], variable
     if index is None and len(ranked.instances) == 1:
         return ranked.instances[0], "the only pod"  # a local run: no task index, one pod
     raise RankTableError(
         f"this node is not in the rank table: no pod named {pod_name or '(unknown)'}, no server "
-        f"{current_ip or '(MA_CURRENT_IP unset)'}, and VC_TASK_INDEX={index if index is not None else '(unset)'} "
+        f"{current_ip or '(MA_CURRENT_IP unset)'}, and {variable}={index if index is not None else '(unset)'} "
         f"is not below its {len(ranked.instances)} pod(s)",
         hint="the rank table is for another job, or this pod's environment is incomplete",
     )
