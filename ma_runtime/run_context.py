@@ -149,7 +149,9 @@ class RunContext:
     def _end_stragglers(self) -> None:
         """What a stage stopped midway left running (a preflight tool): the supervisor cleans up after the
         command, but nothing else does."""
-        # The pre-start hook's services (an sshd) too: the run is over.
+        # The services that stop themselves (Ray's node) first, within the grace; then the pre-start hook's services
+        # (an sshd) with the rest: the run is over.
+        children.stop_services(self.spec.stop_grace_seconds if self.spec is not None else 0.0)
         exclude = children.NotTheCommand((self.guard.pid,) if self.guard is not None else (), services=True)
         me = os.getpid()
 

@@ -168,6 +168,8 @@ frameworks() {  # the real launchers and training libraries, in .venv only: torc
   # PyTorch Lightning's last.ckpt, saved by its atomic writer faster than a sync cycle, reaches the store while it
   # trains (tests/e2e/test_sync_whole.py); pinned like the rest.
   .venv/bin/python -m pip install --quiet lightning==2.6.6 || return 1
+  # Ray, the job's own (MA_RUN_METHOD=ray: tests/e2e/test_ray.py); pinned, its cp311 wheel (none for Python 3.9).
+  .venv/bin/python -m pip install --quiet ray==2.60.0 || return 1
   # MindSpore in a venv of its own, as a job's interpreter apart from the runtime's.
   if [ ! -x .venv-ms/bin/msrun ]; then
     python3 -m venv .venv-ms && .venv-ms/bin/python -m pip install --quiet mindspore==2.10.0 || return 1

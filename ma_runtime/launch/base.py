@@ -54,12 +54,14 @@ class Plan:
     processes_per_node: Size
     warnings: Tuple[str, ...] = ()
     node: Any = None  # role.Role: this node's rank and the master (plan.build adds it)
+    # What the launcher keeps running for the whole run (Ray's node), shown here; started by `start_services`.
+    services: Tuple[WorkerPlan, ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
         return {"method": self.method, "why": self.why, "nodes": self.nodes,
                 "processes_per_node": self.processes_per_node, "warnings": list(self.warnings),
                 "node": self.node.to_dict() if self.node is not None else None,
-                "workers": [w.to_dict() for w in self.workers]}
+                "workers": [w.to_dict() for w in self.workers], "services": [s.to_dict() for s in self.services]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +229,11 @@ class Launcher(abc.ABC):
         (the runtime follows those files onto the console)."""
         return None
 
-    def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[Any]) -> None:
-        """What it keeps running for the whole run, apart from the command (mpirun's sshd): started once, after the
-        hooks, in the stage thread (`stopped` is set on a stop); its output to `sinks`. Most launchers have none."""
+    def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks: Sequence[Any],
+                       command: Sequence[str] = ()) -> None:
+        """What it keeps running for the whole run, apart from the command (mpirun's sshd, Ray's node): started once,
+        after the hooks, in the stage thread (`stopped` is set on a stop); its output to `sinks`; `command` is the
+        job's (Ray's node looks for `ray` beside its Python). Most launchers have none."""
         return None
 
 

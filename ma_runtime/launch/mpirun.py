@@ -124,7 +124,7 @@ class Mpirun(Launcher):
 
     # rank_logs: none; its ranks' output comes through mpirun's own (remote ones too), which the runtime pipes.
 
-    def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks) -> None:
+    def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks, command=()) -> None:
         """The node's sshd, on a multi-node job: worker-0's ssh reaches the others through theirs, and the others
         watch worker-0's to learn when its run ended. Without mounted trust files, worker-0 also serves the job's
         public key, and the others fetch it from worker-0 first (sshd.py)."""

@@ -118,7 +118,8 @@ def render(document: Mapping[str, Any]) -> str:
     lines = [f"method: {document['method']} ({document['why']})",
              f"nodes: {document['nodes']}, processes per node: {document['processes_per_node']}"]
     lines += [f"warning: {warning}" for warning in document["warnings"]]
-    for worker in document["workers"]:
+    services = [{**service, "name": f"service {service['name']}"} for service in document.get("services", ())]
+    for worker in [*services, *document["workers"]]:
         lines.append(f"\n[{worker['name']}] {shlex.join(worker['argv'])}")
         lines += [f"  env  {name}={value}" for name, value in worker["env"].items()]
         if worker["cwd"]:

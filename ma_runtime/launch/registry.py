@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # the launchers' base, for the annotations only: importing it
     from ma_runtime.launch.base import Launcher
 
 # The order of the list of valid values in the error for a bad MA_RUN_METHOD.
-METHODS = ("rtf", "torchrun", "msrun", "mpirun", "pytorch-gpu", "tensorflow-gpu", "plain")
+METHODS = ("rtf", "torchrun", "msrun", "mpirun", "ray", "pytorch-gpu", "tensorflow-gpu", "plain")
 
 
 def launcher(name: str) -> "Launcher":

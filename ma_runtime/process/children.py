@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Callable, Iterable, Iterator, List, Set, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Set, TypeVar
 
 import ma_runtime
 from ma_runtime.errors import TooLargeForExec
@@ -26,6 +26,9 @@ _HELPERS: Set[int] = set()
 # What the pre-start hook left running (an sshd): the job's services, never the command's processes, and, unlike
 # a helper, not waited for by anyone of ours: the reaping loop may reap them.
 _SERVICES: Set[int] = set()
+# Those of the services that stop themselves gracefully (Ray's node, which stops Ray's processes in its order): at
+# the run's end each gets SIGTERM, to its own process alone, before the sweep. {pid: its Worker or Popen}.
+_GRACEFUL: Dict[int, Any] = {}
 T = TypeVar("T")
 
 
@@ -88,14 +91,37 @@ def end_helper(pid: int) -> None:
         _HELPERS.discard(pid)
 
 
-def start_service(start: Callable[[], T]) -> T:
+def start_service(start: Callable[[], T], graceful: bool = False) -> T:
     """A child the runtime starts as the job's service (mpirun's sshd): registered before the reaping loop can
     look, never the command's (no stop, sweep or hang check of an attempt touches it), alive across attempts,
-    and swept with everything else when the run ends."""
+    and swept with everything else when the run ends; `graceful`: first given the grace of `stop_services`."""
     with LOCK:
         proc = start()
         _SERVICES.add(proc.pid)
+        if graceful:
+            _GRACEFUL[proc.pid] = proc
     return proc
+
+
+def stop_services(grace: float) -> None:
+    """The run's end, before its sweep: each graceful service gets SIGTERM, its own process alone (it stops its
+    children itself, so each hears one signal), then up to `grace` seconds in all to end."""
+    import signal
+    import time
+
+    from ma_runtime.process import lifecycle
+
+    with LOCK:
+        graceful = list(_GRACEFUL.values())
+        _GRACEFUL.clear()
+    for proc in graceful:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for proc in graceful:
+        lifecycle.wait(getattr(proc, "popen", proc), max(0.0, deadline - time.monotonic()))
 
 
 def services() -> List[int]:

@@ -201,7 +201,7 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("ranktable_timeout", "MA_RUNTIME_RANKTABLE_TIMEOUT", seconds, "how long to wait for the rank "
             "table's status=completed, seconds", 1800.0, cli=False),
     Setting("run_method", "MA_RUN_METHOD", choice(launch_registry.METHODS), "launch method: "
-            "torchrun, msrun, mpirun, pytorch-gpu, tensorflow-gpu, rtf (one process per NPU) or plain (once); "
+            "torchrun, msrun, mpirun, ray, pytorch-gpu, tensorflow-gpu, rtf (one process per NPU) or plain (once); "
             "unset: rtf on NPU jobs, else plain",
             cli=False),
     Setting("worker_hosts", "VC_WORKER_HOSTS", text, "the job's node domain names, comma-separated, worker-0 first",
@@ -215,7 +215,7 @@ SETTINGS: Tuple[Setting, ...] = (
             600.0, cli=False),
     Setting("peer_gone_seconds", "MA_RUNTIME_PEER_GONE_SECONDS", seconds, "how long every TensorFlow worker's "
             "port must stay closed before a ps takes it for the job's end (a worker restarted in place closes it "
-            "meanwhile)", 60.0, cli=False),
+            "meanwhile), and Ray's head port before the other nodes do (MA_RUN_METHOD=ray)", 60.0, cli=False),
     Setting("coordinator", "MA_RUNTIME_COORDINATOR", matching(_COORDINATOR, "auto, off or etcd://host:port[,...]"),
             "the job across nodes: auto (multi-node jobs meet before each attempt and restart together; worker-0 "
             "hosts the store), off (each node alone), or etcd://host:port[,host:port...] (an etcd holds it)", "auto"),

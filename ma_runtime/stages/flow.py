@@ -59,7 +59,7 @@ def before_the_command(spec: spec_module.JobSpec, first, command: Sequence[str],
     environ = changes.apply(os.environ)
     context.stage("services")
     services_env = attempt_processes.worker_env(spec, context.run_id, first.number, environ)
-    _start_services(spec, services_env, log, context, stopped)
+    _start_services(spec, services_env, log, context, command, stopped)
     return Prepared(staged, environ, rank_table)
 
 
@@ -81,12 +81,13 @@ def _preflight(spec: spec_module.JobSpec, log) -> None:
         )
 
 
-def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, context,
+def _start_services(spec: spec_module.JobSpec, environ: Mapping[str, str], log, context, command: Sequence[str],
                     stopped: threading.Event) -> None:
     """What the launcher keeps running for the whole run (mpirun's sshd), after the hooks, whose PATH applies;
     its output on the console and in the task log, like a hook's."""
     sinks = [logs.stderr_sink(), *([context.task_log.as_console()] if context.task_log is not None else [])]
-    registry.launcher(plan_module.choose(spec)[0]).start_services(spec, environ, log, stopped, sinks)
+    launcher = registry.launcher(plan_module.choose(spec)[0])
+    launcher.start_services(spec, environ, log, stopped, sinks, command=command)
 
 
 def for_attempt(spec: spec_module.JobSpec, prepared: Prepared, attempt, _stopped: threading.Event) -> Prepared:

@@ -678,8 +678,10 @@ def test_plan_to_dict_has_the_documented_shape(job, tmp_path):
     for method, result in every_method(job, tmp_path):
         document = json.loads(json.dumps(result.to_dict()))  # JSON-ready as it is
         assert document["method"] == method
-        assert set(document) == {"method", "why", "nodes", "processes_per_node", "warnings", "node", "workers"}
+        assert set(document) == {"method", "why", "nodes", "processes_per_node", "warnings", "node", "workers",
+                                 "services"}
         assert document["node"] == (result.node.to_dict() if method != "tensorflow-gpu" else None)
+        assert document["services"] == []  # only Ray's plan shows one (tests/unit/test_ray.py)
         assert document["warnings"] == list(result.warnings)
         assert (document["nodes"], document["processes_per_node"]) == (result.nodes, result.processes_per_node)
         assert len(document["workers"]) == len(result.workers)
