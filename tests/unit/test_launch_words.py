@@ -39,7 +39,7 @@ def hostile(job_env, tmp_path):
     base = tmp_path / HOSTILE
     folder = base / "bin"
     folder.mkdir(parents=True)
-    for name in ("torchrun", "msrun", "mpirun", "python"):
+    for name in ("torchrun", "msrun", "mpirun", "ray", "python"):
         (folder / name).write_text("#!/bin/sh\nexit 0\n")
         (folder / name).chmod(0o755)
     (base / "job.yaml").write_text(JOB_FILE)
@@ -68,6 +68,8 @@ LAUNCHES = {
     "mpirun-worker-1": lambda base: {**TWO_NODES, "VC_TASK_INDEX": "1"},
     "mpirun-one-node": lambda base: {},
     "pytorch-gpu": lambda base: TWO_NODES,
+    "ray-worker-0": lambda base: {**TWO_NODES, "VC_TASK_INDEX": "0"},
+    "ray-worker-1": lambda base: {**TWO_NODES, "VC_TASK_INDEX": "1"},
     "tensorflow-gpu": lambda base: {**TWO_NODES, "MA_TASK_NAME": "ps", "VC_TASK_INDEX": "0",
                                     "TF_PS_HOSTS": "[ps-0.job:5000,ps-1.job:5000]",
                                     "TF_WORKER_HOSTS": "[w-0.job:5001,w-1.job:5001]"},
@@ -83,7 +85,7 @@ def plan_json(env, command):
 
 def words_of(document):
     """(where, text) for every word, value and path of the plan's workers."""
-    for worker in document["workers"]:
+    for worker in [*document["workers"], *document["services"]]:  # Ray's node is a service
         yield from ((f"{worker['name']} argv", word) for word in worker["argv"])
         yield from ((f"{worker['name']} env {name}", value) for name, value in worker["env"].items())
         yield from ((f"{worker['name']} log {kind}", path) for kind, path in worker["logs"].items())
