@@ -39,6 +39,7 @@ LAUNCHES = {
     "pytorch-gpu": ["--nodes", "2", "--method", "pytorch-gpu"],
     "tensorflow-gpu": ["--nodes", "2", "--method", "tensorflow-gpu", "--devices", "1"],
     "plain": ["--method", "plain"],
+    "ray": ["--nodes", "2", "--method", "ray"],
 }
 
 
