@@ -83,7 +83,7 @@ class Ray(Launcher):
         if not role(spec).is_master:
             return Plan(self.NAME, why, (_watcher(spec, context),), spec.num_hosts, 1, services=(service,))
         argv = [*_await_argv(spec, context.environ, ray), "--", *context.argv]
-        env = {**common_env(spec, context.attempt), "RAY_ADDRESS": head_address(spec, context.environ)}
+        env = {**common_env(spec, context.attempt), "RAY_ADDRESS": head_address(spec)}
         driver = WorkerPlan(DRIVER, tuple(argv), env, logs={"task": str(spec.task_log_path)})
         return Plan(self.NAME, why, (driver,), spec.num_hosts, 1, services=(service,))
 
@@ -93,7 +93,7 @@ class Ray(Launcher):
         from ma_runtime.launch import ray_node
 
         service = node_service(spec, environ, find_ray(command, environ))
-        ray_node.start_service(spec, service, head_address(spec, environ), environ, log, stopped, sinks)
+        ray_node.start_service(spec, service, head_address(spec), environ, log, stopped, sinks)
 
 
 LAUNCHER = Ray()
@@ -132,7 +132,7 @@ def ray_python(ray: str) -> str:
 # --------------------------------------------------------------------------- the plan
 
 
-def head_address(spec, environ: Mapping[str, str]) -> str:
+def head_address(spec) -> str:
     """`<worker-0>:<port>`: what the other nodes join and the driver's RAY_ADDRESS."""
     host = role(spec).need_master() if spec.num_hosts > 1 else "127.0.0.1"
     return f"{host}:{spec.ray_port}"
@@ -144,7 +144,7 @@ def node_service(spec, environ: Mapping[str, str], ray: str) -> WorkerPlan:
     if role(spec).is_master:  # the one rule (role.py): ROUTE_PLAN's master included
         argv += ["--head", f"--port={spec.ray_port}", f"--include-dashboard={str(spec.ray_dashboard).lower()}"]
     else:
-        argv += [f"--address={head_address(spec, environ)}"]
+        argv += [f"--address={head_address(spec)}"]
     address = environ.get("MA_CURRENT_IP", "").strip()
     if address and spec.num_hosts > 1:  # the platform's container IP: Ray's own guess routes to 8.8.8.8
         argv += [f"--node-ip-address={address}"]
@@ -166,7 +166,7 @@ def accelerator_resources(spec, environ: Mapping[str, str]) -> Dict[str, int]:
     return {}
 
 
-def node_hosts(spec, environ: Mapping[str, str]) -> List[str]:
+def node_hosts(spec) -> List[str]:
     """Every node's name, the master first (role.py's rule, as mpirun's)."""
     if spec.num_hosts <= 1:
         return ["127.0.0.1"]
@@ -176,13 +176,13 @@ def node_hosts(spec, environ: Mapping[str, str]) -> List[str]:
 def _await_argv(spec, environ: Mapping[str, str], ray: str) -> List[str]:
     from ma_runtime.launch import ray_node
 
-    return ray_node.await_argv(head_address(spec, environ), ray_python(ray), node_hosts(spec, environ),
+    return ray_node.await_argv(head_address(spec), ray_python(ray), node_hosts(spec),
                                spec.peer_wait_seconds)
 
 
 def _watcher(spec, context: Context) -> WorkerPlan:
     from ma_runtime.launch import peers
 
-    host, _, port_text = head_address(spec, context.environ).rpartition(":")
+    host, _, port_text = head_address(spec).rpartition(":")
     argv = peers.watcher_argv([(host, int(port_text))], spec.peer_wait_seconds, gone_seconds=spec.peer_gone_seconds)
     return WorkerPlan(WATCHER, tuple(argv), common_env(spec, context.attempt), logs={"task": str(spec.task_log_path)})
