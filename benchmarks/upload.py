@@ -114,8 +114,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def ma_runtime_sync_row(server: storage.Server, scratch: Path, scenario: str,
                         sources: List[Path]) -> Optional[storage.Method]:
     """The sync engine's own row: one final-sync cycle (`ChannelSync.cycle(final=True)`, what the uploader runs
-    after the command) of a folder holding `sources` (hard links) to BUCKET, with a fresh manifest each run, so
-    every file goes up: scan, read, MD5 and PUT for small files; multipart for the large one."""
+    after the command) of a folder holding copies of `sources` to BUCKET, with a fresh manifest each run, so
+    every file goes up: scan, read, MD5 and PUT for small files; multipart for the large one. Copies, made
+    once before the clock: the engine does not follow a hard link to a file outside its folder (tree.py)."""
     try:
         from ma_runtime.sync.engine import ChannelSync, Target
     except ImportError:
@@ -125,7 +126,7 @@ def ma_runtime_sync_row(server: storage.Server, scratch: Path, scenario: str,
     folder = Path(tempfile.mkdtemp(prefix=f"sync-{scenario}-", dir=scratch))
     expected: Dict[str, Tuple[int, str]] = {}
     for source in sources:
-        os.link(source, folder / source.name)
+        shutil.copyfile(source, folder / source.name)
     prefix = f"{scenario}/sync/"
     if scenario == "large":
         amount = sum(source.stat().st_size for source in sources) / MB
@@ -405,12 +406,14 @@ def large_methods(server: storage.Server, scratch: Path, source: Path, md5: str,
     row("sdk-uploadfile", "(c) SDK uploadFile [taskNum 16 x 32 MiB]", sdk_upload_file)
 
     def engine(key: str) -> None:
+        from ma_runtime.storage.transfer.utils import object_url
+
         location = ma.url.parse(f"s3://{BUCKET}/{key}")
         state = Path(tempfile.mkdtemp(prefix="state-", dir=scratch))
         try:
             options = dataclasses.replace(ma.options, state_dir=state)
             # What the sync engine does with a large file (sync/engine.py `_put_large`).
-            url = ma.transfer.object_url(location, location.key)
+            url = object_url(location, location.key)
             ma.transfer.Multipart(ma.store, location.bucket, location.key, url, source, source.stat(), options,
                                   storage.QuietLog()).run()
         finally:
