@@ -45,10 +45,11 @@ def _cell(text: Any) -> str:
 
 def _row(record: Mapping[str, Any]) -> str:
     unit, spread = record["unit"], record.get("per_round")
-    figure = "no figure" if record["figure"] is None else f"**{_number(record['figure'], unit)}**"
+    digits = 1 if unit == "ms" else 2  # a tenth of a millisecond is below what these machines repeat
+    figure = "no figure" if record["figure"] is None else f"**{_number(record['figure'], unit, digits)}**"
     if spread:
-        low, middle = (_number(spread[key], "") for key in ("min", "median"))
-        figure += f" (per round {low} / {middle} / {_number(spread['max'], unit)})"
+        low, middle = (_number(spread[key], "", digits) for key in ("min", "median"))
+        figure += f" (per round {low} / {middle} / {_number(spread['max'], unit, digits)})"
         load = f"{spread['load_median']:.2f} [{spread['load_min']:.2f}-{spread['load_max']:.2f}]"
     else:
         load = "-"
