@@ -27,9 +27,15 @@ CPU per line is given beside it. At one write() per line the supervisor reads an
 line on its own: "paced" is the case that shows what forwarding costs a job.
 
 All six runs go round-robin (benchmarks/_harness.py): min/median/max over the rounds, the load
-average beside each row, and ma-run / direct per round and of the medians. Budget: at least
-200 000 lines/s through ma-run (reported for batched and per-line; paced runs at its pace; the
-script never fails on it).
+average beside each row, and ma-run / direct per round and of the medians.
+
+Goal (issue 29, which states the design's forwarding budget precisely): at most 2 µs of the supervisor's
+CPU per forwarded line, zero lines lost. Judged for every case on CPU per LINE (the lines the writer
+printed), never per read: the supervisor's read system calls (/proc/PID/io, less the idle run's) are
+printed beside it as lines per read, which shows why the unpaced cases cost so little per line (one
+read collects many lines) and why the paced case is the one a training job's prints look like.
+The design's own wording, at least 200 000 lines/s, is printed as a figure, not judged: lines/s hides
+the per-line cost. Reported, never enforced: the script exits 0 unless a run fails.
 
 Every run is also checked: the output file, and for ma-run the task log at
 $MA_HOME/modelarts/log/modelarts-job-local-worker-0.log (fresh MA_HOME each run), must hold all
@@ -53,11 +59,14 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness  # noqa: E402  (beside this script, not a package)
 
-BUDGET_LINES_PER_S = 200_000
+GOAL_TEXT = "console forwarding: <= 2 µs of supervisor CPU per forwarded line, zero lines lost"
+GOAL_SOURCE = ("issue 29 (the design's budget: >= 200 000 lines/s through the runtime, zero lines lost; lines/s hides "
+               "the CPU per line)")
+DESIGN_LINES_PER_S = 200_000
 TASK_LOG = os.path.join("modelarts", "log", "modelarts-job-local-worker-0.log")
 LINE_PREFIX = b"line "
 CASES = ("batched", "per-line", "paced")
-UNPACED = ("batched", "per-line")  # the cases the lines/s budget is about
+UNPACED = ("batched", "per-line")  # the cases the design's lines/s figure is about
 # Idle rows: ma-run around a writer that prints nothing, at once or for as long as the paced writer.
 IDLE_ROWS = {"batched": "idle ma-run", "per-line": "idle ma-run", "paced": "idle ma-run, paced length"}
 MODES = ("direct", "tini", "ma-run")
@@ -153,14 +162,14 @@ def run_to_file(cmd: List[str], run_dir: str) -> Dict[str, Any]:
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
-        returncode, own_cpu, reaped_cpu = harness.wait_with_cpu(proc)
+        returncode, own_cpu, reaped_cpu, syscalls = harness.wait_with_cpu(proc)
         elapsed = time.perf_counter() - start
     if returncode != 0:
         with open(stderr_path, "rb") as err:
             sys.stderr.write(err.read().decode(errors="replace"))
         sys.exit(f"{cmd!r} exited {returncode}")
     return {"seconds": elapsed, "own_cpu_s": own_cpu, "reaped_cpu_s": reaped_cpu, "stdout": stdout_path,
-            "task_log": os.path.join(run_dir, TASK_LOG)}
+            "task_log": os.path.join(run_dir, TASK_LOG), "reads": syscalls["reads"] if syscalls else None}
 
 
 def read_bytes(path: str) -> Optional[bytes]:
@@ -209,9 +218,10 @@ def parse_number(line: bytes, width: int) -> Optional[int]:
 def cpu_split(mode: str, run: Dict[str, Any]) -> Dict[str, Optional[float]]:
     """(supervisor CPU, writer CPU) of a run: direct has no supervisor, the writer is the process itself."""
     if mode == "direct":
-        return {"supervisor_cpu_s": None, "writer_cpu_s": run["own_cpu_s"]}
+        return {"supervisor_cpu_s": None, "writer_cpu_s": run["own_cpu_s"], "supervisor_reads": None}
     # The supervisor's reaped children are the writer (and, for ma-run, its guard, which idles).
-    return {"supervisor_cpu_s": run["own_cpu_s"], "writer_cpu_s": run["reaped_cpu_s"]}
+    return {"supervisor_cpu_s": run["own_cpu_s"], "writer_cpu_s": run["reaped_cpu_s"],
+            "supervisor_reads": run["reads"]}
 
 
 def measured_run(mode: str, cmd: List[str], count: int, expected: bytes, scratch: str) -> Dict[str, Any]:
@@ -252,11 +262,13 @@ def idle_run(cmd: List[str], scratch: str) -> Dict[str, Any]:
 
 
 def subtract_idle(samples: Dict[str, List[harness.Sample]]) -> None:
-    """Gives each ma-run sample its idle run's CPU of the same round (idle_cpu_s)."""
+    """Gives each ma-run sample its idle run's CPU and reads of the same round (idle_cpu_s, idle_reads)."""
     for case in CASES:
-        idle = {sample.round: sample.result["supervisor_cpu_s"] for sample in samples[IDLE_ROWS[case]]}
+        idle = {sample.round: sample.result for sample in samples[IDLE_ROWS[case]]}
         for sample in samples[f"{case} ma-run"]:
-            sample.result["idle_cpu_s"] = idle.get(sample.round)
+            partner = idle.get(sample.round, {})
+            sample.result["idle_cpu_s"] = partner.get("supervisor_cpu_s")
+            sample.result["idle_reads"] = partner.get("supervisor_reads")
 
 
 def warm_up(writer: str, rate: float, ma_run: str, tini: str, scratch: str) -> None:
@@ -282,6 +294,15 @@ def supervisor_us_per_line(result: Dict[str, Any]) -> Optional[float]:
     return (cpu - (idle or 0.0)) / result["lines"] * 1e6
 
 
+def lines_per_read(result: Dict[str, Any]) -> Optional[float]:
+    """Lines forwarded per read system call of the supervisor (ma-run's beyond its idle run's): how many
+    lines one wake-up collects. tini copies nothing, so it has none."""
+    reads, idle = result.get("supervisor_reads"), result.get("idle_reads")
+    if reads is None or idle is None or reads <= idle:
+        return None
+    return result["lines"] / (reads - idle)
+
+
 def idle_ms(result: Dict[str, Any]) -> Optional[float]:
     return result["supervisor_cpu_s"] * 1e3
 
@@ -302,6 +323,7 @@ def report_case(case: str, count: int, rate: float, samples: Dict[str, List[harn
     cpu = {mode: harness.summarize(rows[mode], supervisor_us_per_line) for mode in MODES if mode != "direct"}
     writer_cpu = {mode: harness.summarize(rows[mode], writer_us_per_line) for mode in MODES}
     busy = {mode: harness.summarize(rows[mode], supervisor_core_pct) for mode in MODES if mode != "direct"}
+    per_read = harness.summarize(rows["ma-run"], lines_per_read)
     how = {"batched": "10 000 lines per write()", "per-line": "one write() per line, as fast as it can",
            "paced": f"one write() per line at {rate:,.0f} lines/s"}[case]
     title = f"{case}: {count:,} lines ({how})"
@@ -311,29 +333,42 @@ def report_case(case: str, count: int, rate: float, samples: Dict[str, List[harn
     harness.print_table(f"{case}: the supervisor's CPU while running, % of one core", list(busy.items()), "%",
                         digits=0)
     harness.print_table(f"{case}: the writer's own CPU per line", list(writer_cpu.items()), "µs/line", digits=2)
+    harness.print_table(f"{case}: lines per read system call of ma-run (beyond its idle run's)",
+                        [("ma-run", per_read)], "lines", digits=1)
     versus_direct = harness.compare(rows["ma-run"], rows["direct"], harness.ratio, lines_per_s)
     ma_rate = rates["ma-run"].median
     print(f"\n  {case}: ma-run / direct, lines/s: {harness.comparison_text(versus_direct)}")
     if case in UNPACED:
-        print(f"  {case}: ma-run {ma_rate:,.0f} lines/s (median), budget >= {BUDGET_LINES_PER_S:,}: "
-              f"{harness.verdict(ma_rate >= BUDGET_LINES_PER_S)}")
+        print(f"  {case}: ma-run {ma_rate:,.0f} lines/s (median); the design's wording, >= {DESIGN_LINES_PER_S:,} "
+              "lines/s, is a figure here, not the verdict")
     else:
         print(f"  {case}: ma-run kept {ma_rate:,.0f} lines/s (median) of the {rate:,.0f} asked")
     per_line = cpu["ma-run"].median
     print(f"  {case}: ma-run spends {per_line:.2f} µs of CPU per line (median): at {PROJECTED_LINES_PER_S:,} lines/s "
           f"(8 workers x 5 000) that is {per_line * PROJECTED_LINES_PER_S / 1e4:.0f} % of a core")
     damage = print_damage(case, rows)
+    result = judge_case(case, how, cpu["ma-run"], per_read, damage)
     return {
         "lines": count,
         "lines_per_s": {mode: row.as_dict() for mode, row in rates.items()},
         "supervisor_us_per_line": {mode: row.as_dict() for mode, row in cpu.items()},
         "supervisor_core_pct": {mode: row.as_dict() for mode, row in busy.items()},
         "writer_us_per_line": {mode: row.as_dict() for mode, row in writer_cpu.items()},
+        "lines_per_read": per_read.as_dict() if per_read else None,
         "ma_run_over_direct": versus_direct.as_dict(),
-        "budget_lines_per_s": BUDGET_LINES_PER_S if case in UNPACED else None,
-        "meets_budget": ma_rate >= BUDGET_LINES_PER_S if case in UNPACED else None,
         "damaged_runs": damage,
+        "verdict": result,
     }
+
+
+def judge_case(case: str, how: str, cpu: Optional[harness.Summary], per_read: Optional[harness.Summary],
+               damaged: int) -> Dict[str, Any]:
+    """The goal's verdict for one writer: ma-run's CPU per forwarded line (median), and no line lost."""
+    goal = harness.Goal(f"forwarding, {case}", GOAL_TEXT, GOAL_SOURCE, 2.0, "µs/line")
+    reads = f"{per_read.median:.1f} lines per read" if per_read else "lines per read unknown"
+    note = f"{damaged} damaged runs: lines lost" if damaged else f"0 lines lost; {reads}"
+    return harness.judge(goal, cpu.median if cpu else None, f"{how}, ma-run's CPU per line (median)", cpu,
+                         note, broken=bool(damaged))
 
 
 def print_damage(case: str, rows: Dict[str, List[harness.Sample]]) -> int:
@@ -371,6 +406,7 @@ def main(argv: Sequence[str]) -> int:
             handle.write(WRITER_SOURCE)
         warm_up(writer, args.paced_rate, args.ma_run, args.tini, scratch)
         harness.print_header(f"console forwarding through {args.ma_run}", args.rounds, args.warmup)
+        harness.print_goal(harness.Goal("forwarding", GOAL_TEXT, GOAL_SOURCE, 2.0, "µs/line"))
         samples = harness.round_robin(tasks(writer, counts, args.paced_rate, args.ma_run, args.tini, scratch),
                                       args.rounds, args.warmup)
     subtract_idle(samples)
@@ -382,6 +418,7 @@ def main(argv: Sequence[str]) -> int:
     results["idle_ma_run_cpu_ms"] = {name: row.as_dict() for name, row in idle.items()}
     if args.json:
         payload = {"environment": environment_info(args), "cases": results,
+                   "run": harness.run_record([results[case]["verdict"] for case in CASES]),
                    "samples": {name: [vars(s) for s in rows] for name, rows in samples.items()}}
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=2)

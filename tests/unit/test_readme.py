@@ -4,6 +4,7 @@ The settings, exit codes and log events are documented by pages generated from t
 (scripts/gen_docs.py); these tests hold the generator to the code and the hand-written pages to the repository.
 """
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -32,6 +33,31 @@ def test_the_generated_reference_pages_are_current():
     checked = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_docs.py"), "--check"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stderr
+
+
+def test_the_benchmark_verdict_tables_are_generated_from_the_committed_results():
+    # The README's benchmark table was once typed by hand and showed 1.65x under "met" for a 1.2x goal.
+    checked = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_table.py"), "--check"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_a_benchmark_verdict_follows_its_figure_not_its_own_word():
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "scripts" / "bench_table.py")
+    bench_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_table)
+    record = {"key": "ranktable", "goal": "<= 1.2x a bare JSON load + dump", "source": "issue 29", "limit": 1.2,
+              "unit": "x", "at_most": True, "measured": "ratio of the medians", "figure": 1.54, "per_round": None,
+              "broken": False, "met": True, "note": ""}
+    at_least = {**record, "at_most": False, "limit": 0.9, "figure": 0.63, "met": False}
+    lost = {**record, "figure": 1.1, "broken": True, "met": False}  # under the limit, but a line was lost
+    none = {**record, "figure": None, "met": None}
+    runs = [{"file": "x.json", "command": "benchmarks/x.py", "taken_utc": "now", "cpus": 2,
+             "load_at_end": "2 CPUs, load average now 1 1 1", "verdicts": [record, at_least, lost, none]}]
+    rows = [line for line in bench_table.table(runs).splitlines() if line.startswith("| ranktable")]
+    assert [row.rsplit("|", 2)[1].strip().split(" (")[0] for row in rows] == [
+        "**MISSED**", "**MISSED**", "**MISSED**", "no figure"]
+    assert bench_table.disagreements(runs) == ["x.json: ranktable"]  # the first says "met" of 1.54x
 
 
 def test_every_setting_is_documented():
