@@ -255,6 +255,28 @@ def test_complete_by_another_store_asks_the_size(store, obs_endpoint, bucket, tm
     assert other.complete_multipart(bucket, "out/small.bin", upload_id, [(1, etag)]).size == 3000
 
 
+def test_a_transient_failure_reading_the_completed_size_is_retried(store, obs_endpoint, bucket, tmp_path,
+                                                                    signature, monkeypatch):
+    """The full suite once saw moto answer that metadata read with HTTP 500: the complete had been done, so the
+    upload could not be completed again (NoSuchUpload) and the object was called failed while it was whole."""
+    source = tmp_path / "small.bin"
+    source.write_bytes(b"abc" * 1000)
+    upload_id = store.create_multipart(bucket, "out/small.bin")
+    etag = store.upload_part(bucket, "out/small.bin", upload_id, 1, str(source), 0, 3000)
+    other = make_store(obs_endpoint.env(signature), tmp_path)
+    real_head, failures = other.head, []
+
+    def head_failing_twice(*args):
+        if len(failures) < 2:
+            failures.append(args)
+            raise TransientError("reading the metadata of obs://b/out/small.bin: HTTP 500")
+        return real_head(*args)
+
+    monkeypatch.setattr(other, "head", head_failing_twice)
+    assert other.complete_multipart(bucket, "out/small.bin", upload_id, [(1, etag)]).size == 3000
+    assert len(failures) == 2
+
+
 def test_abort_drops_the_upload(store, obs_endpoint, bucket, tmp_path):
     source = tmp_path / "part.bin"
     source.write_bytes(os.urandom(1000))

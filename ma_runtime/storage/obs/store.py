@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import threading
+import time
 from typing import IO, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
@@ -45,6 +46,10 @@ from ma_runtime.storage.obs.failures import UploadGone
 from ma_runtime.storage.obs.listing import Listing, UploadListing, parse_listing, parse_uploads, unquote_etag
 from ma_runtime.storage.obs.wire import ObsWire, object_url
 from ma_runtime.util.redact import Masker
+
+# After a complete, its size is read from the store when this store did not send every part: a transient failure of
+# that read is tried again after these waits (seconds), since the complete cannot be (its upload is gone).
+SIZE_READ_WAITS = (0.2, 0.5, 1.0)
 
 PAGE_SIZE = 1000  # keys (or multipart uploads) per listing request, the server's maximum
 _MD5_HEX = re.compile(r"[0-9a-fA-F]{32}\Z")
@@ -230,11 +235,18 @@ class ObsStore(ObsWire):
             self._part_sizes.pop(upload_id, None)
         if size is not None:
             return size
-        try:
-            return self.head(bucket, key).size
-        except StorageError as exc:
-            # Not a TransientError: retrying the complete itself would now fail with NoSuchUpload.
-            raise StorageError(f"completed {object_url(bucket, key)}, but reading its size failed: {exc}") from exc
+        for wait in (*SIZE_READ_WAITS, None):
+            try:
+                return self.head(bucket, key).size
+            except TransientError as exc:  # the object is whole: a read that failed on the way is read again
+                failure: StorageError = exc
+                if wait is not None:
+                    time.sleep(wait)
+            except StorageError as exc:
+                failure = exc
+                break
+        # Not a TransientError: retrying the complete itself would now fail with NoSuchUpload.
+        raise StorageError(f"completed {object_url(bucket, key)}, but reading its size failed: {failure}") from failure
 
     def _sent_size(self, upload_id: str, parts: List[Tuple[int, str]]) -> Optional[int]:
         """The size of the object these parts make, when this store sent them all; else None."""
