@@ -28,20 +28,26 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSI
 GUARD = 120.0  # seconds: only against a hang
 
 # Each node's command: writes `<dir>/<node>.<attempt>` with the time it started and what it saw, then does what
-# FAIL says for its node and attempt ("3": exit 3; "sleep": sleep until stopped, writing when SIGTERM came).
+# FAIL says for its node and attempt ("3": exit 3 once every node's command of the attempt has started, so that
+# each is there to be stopped; "sleep": sleep until stopped, writing when SIGTERM came).
 COMMAND = r"""
 import os, signal, sys, time
 node, attempt = os.environ["VC_TASK_INDEX"], os.environ["MA_PROC_START_CNT"]
 out = os.path.join(os.environ["OUT"], f"{node}.{attempt}")
-with open(out, "w") as f:
-    f.write(f"started {time.time()}\n")
 def stopped(signum, _frame):
     with open(out, "a") as f:
         f.write(f"sigterm {time.time()}\n")
     sys.exit(143)
-signal.signal(signal.SIGTERM, stopped)
+signal.signal(signal.SIGTERM, stopped)  # before `started`: a command said started can say when it was stopped
+with open(out, "w") as f:
+    f.write(f"started {time.time()}\n")
 what = dict(item.split("=") for item in os.environ.get("FAIL", "").split(",") if item).get(f"{node}.{attempt}")
 if what and what.isdigit():
+    # Under load a node's command can start a second after another's: the failure waits for all (bounded).
+    others = [os.path.join(os.environ["OUT"], f"{other}.{attempt}") for other in range(int(os.environ["MA_NUM_HOSTS"]))]
+    deadline = time.time() + 30
+    while not all(os.path.exists(path) for path in others) and time.time() < deadline:
+        time.sleep(0.05)
     time.sleep(0.5)
     with open(out, "a") as f:
         f.write(f"failing {time.time()}\n")
