@@ -101,25 +101,10 @@ def _wait_for_head(host: str, port: int, seconds: float, log, stopped: threading
 
 def _wait_started(keeper, host: str, port: int, seconds: float, stopped: threading.Event) -> str:
     """"" once the head answers on its port (or the run stops), else why not."""
-    deadline = time.monotonic() + seconds
-    while not stopped.is_set():
-        code = keeper.popen.poll()
-        if code is not None:
-            keeper.join_output(1.0)
-            return _last_line(keeper) or f"it exited with code {code}"
-        if peers.probe(host, port)[0] is not None:
-            return ""
-        if time.monotonic() >= deadline:
-            return f"its port did not answer within {seconds:g} s (MA_RUNTIME_PEER_WAIT_SECONDS)"
-        stopped.wait(0.25)
-    return ""
+    from ma_runtime.process.children import wait_started
 
-
-def _last_line(worker) -> str:
-    from ma_runtime.util.output import tail_of
-
-    lines = [line.strip() for line in tail_of(worker.pumps, 5, prefer=worker.stderr_pump) if line.strip()]
-    return lines[-1] if lines else ""
+    return wait_started(keeper, lambda: peers.probe(host, port)[0] is not None, seconds,
+                        f"its port did not answer within {seconds:g} s (MA_RUNTIME_PEER_WAIT_SECONDS)", stopped)
 
 
 def await_argv(address: str, python: str, hosts: Sequence[str], seconds: float) -> List[str]:

@@ -50,7 +50,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence
 
@@ -171,19 +170,9 @@ def _spawn(argv: Sequence[str], environ: Mapping[str, str], home: Path, sinks: S
 
 
 def _wait_started(worker, pid_file: Path, stopped) -> str:
-    """"" once sshd has written its pid file, else why not."""
-    deadline = time.monotonic() + _START_SECONDS
-    while not stopped.is_set():
-        code = worker.popen.poll()
-        if code is not None:
-            worker.join_output(1.0)
-            return _last_line(worker) or f"it exited with code {code}"
-        if _pid_in(pid_file) == worker.pid:
-            return ""
-        if time.monotonic() >= deadline:
-            return f"no pid file after {_START_SECONDS:g} s"
-        time.sleep(_POLL)
-    return ""  # the run is stopping: the caller has seen the signal
+    """"" once sshd has written its pid file (or the run stops), else why not."""
+    return children.wait_started(worker, lambda: _pid_in(pid_file) == worker.pid, _START_SECONDS,
+                                 f"no pid file after {_START_SECONDS:g} s", stopped, poll=_POLL)
 
 
 def _pid_in(path: Path) -> Optional[int]:
@@ -191,13 +180,6 @@ def _pid_in(path: Path) -> Optional[int]:
         return int((read_regular(path, 64) or b"").strip() or 0)
     except (OSError, ValueError):
         return None
-
-
-def _last_line(worker) -> str:
-    from ma_runtime.util.output import tail_of
-
-    lines = [line.strip() for line in tail_of(worker.pumps, 5, prefer=worker.stderr_pump) if line.strip()]
-    return lines[-1] if lines else ""
 
 
 def _stop(worker) -> None:

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Set, TypeVar
 
 import ma_runtime
@@ -155,3 +156,30 @@ class NotTheCommand:
     def __contains__(self, pid: object) -> bool:
         return (pid in self.pids or pid in _HELPERS or pid in _OWNED
                 or (not self.services and pid in _SERVICES))
+
+
+def wait_started(service: Any, ready: Callable[[], bool], seconds: float, too_late: str,
+                 stopped: threading.Event, poll: float = 0.25) -> str:
+    """'' once `ready()` says a service just started (a spawned Worker: mpirun's sshd, Ray's keeper) is up, or once
+    the run stops (its caller has seen the signal); else why not: the service's last line of output, or its exit
+    code, when it ended first; `too_late` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not stopped.is_set():
+        code = service.popen.poll()
+        if code is not None:
+            service.join_output(1.0)
+            return last_line(service) or f"it exited with code {code}"
+        if ready():
+            return ""
+        if time.monotonic() >= deadline:
+            return too_late
+        stopped.wait(poll)
+    return ""
+
+
+def last_line(service: Any) -> str:
+    """The last non-blank line a spawned Worker wrote (its stderr first): what a tool says when it fails to start."""
+    from ma_runtime.util.output import tail_of
+
+    lines = [line.strip() for line in tail_of(service.pumps, 5, prefer=service.stderr_pump) if line.strip()]
+    return lines[-1] if lines else ""
