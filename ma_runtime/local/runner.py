@@ -45,6 +45,7 @@ IMAGE_KEPT_OUT = frozenset(("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "
                             "TERM", "TMPDIR", "MAIL", "DISPLAY", "LANG", "LANGUAGE", "PYTHONPATH", "PYTHONHOME",
                             "PYTHONSTARTUP", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD", "_"))
 IMAGE_KEPT_OUT_PREFIXES = ("LC_", "XDG_", "SSH_", "CONDA_", "CONTAINERS_", "PODMAN_", "DBUS_", "VIRTUAL_ENV_")
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,4095}")  # a registry reference; never a podman option
 _OBS_URL = re.compile(r"\b(?:obs|s3)://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?=/|\s|$|['\"])")
 
 
@@ -133,6 +134,10 @@ class Options:
                              "--accelerator npu)")
         self.count, self.accelerator, self.devices = parsed.nodes, parsed.accelerator, parsed.devices
         self.ranktable = parsed.ranktable or "two"
+        if parsed.image is not None and not _IMAGE.fullmatch(parsed.image):
+            # A word podman would read as one of its options (`--privileged`), or split: never on its command line.
+            raise UsageError(f"--image {parsed.image!r}: not an image name (write NAME[:TAG] or a full reference, "
+                             "e.g. localhost/my-train:1)")
         self.method, self.keep, self.image = parsed.method, parsed.keep, parsed.image
         self.out = Path(parsed.out or f"ma-local-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 

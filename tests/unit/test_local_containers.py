@@ -49,3 +49,15 @@ def test_the_podman_command_line_holds_no_value_of_any_variable(local_run):
     assert argv[-3:] == ["my-train:1", "python", "train.py"]
     assert argv[argv.index("--user") + 1] == "1000:100"
     assert argv[argv.index("--network") + 1].startswith("ns:/run/netns/ma-unit-")
+
+
+@pytest.mark.parametrize("image", ["--privileged", "-v/:/host", "my train:1", "", "a\nb"])
+def test_an_image_podman_would_read_as_an_option_is_refused(image):
+    with pytest.raises(runner.UsageError, match=r"^--image .*: not an image name \(write NAME\[:TAG\]"):
+        runner.Options([f"--image={image}", "--", "true"])
+
+
+def test_image_references_as_registries_write_them_are_taken():
+    for image in ("my-train:1", "localhost/ma-runtime-test:86ecb818", "swr.cn-north-4.myhuaweicloud.com/ns/img:v1",
+                  "img@sha256:" + "a" * 64):
+        assert runner.Options(["--image", image, "--", "true"]).image == image
