@@ -352,7 +352,8 @@ class Together:
 
     def _failure_of(self, verdict, attempt: int) -> Failure:
         kind = HUNG if verdict.state is State.HUNG else FAILED
-        return self.failure(kind, attempt, verdict.reason, rank=verdict.rank, exit_code=verdict.exit_code,
+        # The cause alone: the record names its rank beside it, and every reading of it (where()) says the rank.
+        return self.failure(kind, attempt, verdict.cause, rank=verdict.rank, exit_code=verdict.exit_code,
                             signal=verdict.signal, last_line=verdict.tail[-1].strip() if verdict.tail else "",
                             progressed=verdict.progressed)
 

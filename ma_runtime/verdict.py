@@ -43,6 +43,12 @@ class Verdict:
     progressed: bool = False  # HUNG: it made progress for a window first, so the count of hangs in a row starts over
 
     @property
+    def cause(self) -> str:
+        """The reason without "rank N failed first: ": for a record that names the rank beside it."""
+        prefix = _rank_first(self.rank, "")
+        return self.reason[len(prefix):] if self.rank is not None and self.reason.startswith(prefix) else self.reason
+
+    @property
     def failure_key(self) -> tuple:
         """What makes two failures "the same": code or signal, rank, and the last line the command printed."""
         return self.exit_code, self.signal, self.rank, self.tail[-1].strip() if self.tail else ""
@@ -72,9 +78,13 @@ def of(outcome: Outcome, plan=None, root_cause: Optional[RootCauseOf] = None, ow
     reason, category, hint = (("", Category.USER.value, "") if exit_code == 0 else
                               _explain(outcome, death, exit_code, killed))
     if rank is not None and outcome.stop_signal is None and exit_code != 0:
-        reason = f"rank {rank} failed first: {reason}"
+        reason = _rank_first(rank, reason)
     return Verdict(outcome.state, exit_code, returncode, rank, stop or death, reason, category, hint,
                    tail(worker) if worker is not None else (), outcome.duration)
+
+
+def _rank_first(rank: Optional[int], reason: str) -> str:
+    return f"rank {rank} failed first: {reason}"
 
 
 def _hung(outcome: Outcome) -> Verdict:

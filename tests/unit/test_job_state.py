@@ -234,6 +234,18 @@ def test_every_node_takes_the_same_decision_and_only_the_origin_keeps_its_code(j
     assert results[0].fields()["origin"]["task_index"] == 1
 
 
+def test_a_rank_named_in_the_verdict_is_named_once_on_every_node(jobs):
+    # verdict.of names the rank in its reason; the record names it beside the cause, and says it once (a record
+    # made from the verdict, when the in-flight report had not gone out first, said "rank 1 failed first" twice).
+    ranked = verdict_module.Verdict(State.FAILED, 3, 3, rank=1, reason="rank 1 failed first: the command exited "
+                                    "with code 3", tail=("boom",))
+    results = agree_all(jobs, Attempt(1, "run", 1), [succeeded(), ranked, succeeded()])
+    expected = f"{HOSTS[1]} (task 1) rank 1 failed first: the command exited with code 3"
+    assert results[0].verdict.reason == results[2].verdict.reason == expected
+    assert results[1].verdict.reason == "rank 1 failed first: the command exited with code 3"  # its own, as before
+    assert results[0].origin.reason == "the command exited with code 3"
+
+
 @pytest.mark.parametrize("jobs", [{"MA_RUNTIME_MAX_RESTARTS": 5, "MA_RUNTIME_SAME_FAILURE_LIMIT": 2}],
                          indirect=True)
 def test_the_same_failure_limit_counts_across_the_job_whichever_node_failed(jobs):
