@@ -21,6 +21,7 @@ CONFIG_ENV = "MA_RUNTIME_CONFIG"
 FILE_ONLY_KEYS = ("hyperparameters", "inputs", "outputs")
 # The platform's hyperparameter names (docs/platform.md, "Launch methods"): at most 64 of [A-Za-z0-9_-].
 _HYPERPARAMETER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_HYPERPARAMETER_NAMES = re.compile(r"[A-Za-z0-9_-]{1,64}(?:\n[A-Za-z0-9_-]{1,64})*")  # one name a line
 # A job file is a few hundred bytes; a bound keeps a hostile one (or /dev/zero) from eating memory.
 MAX_JOB_FILE_BYTES = 1 << 20
 # YAML aliases let 400 bytes describe gigabytes ("billion laughs"): bounded after composing, before building.
@@ -105,30 +106,41 @@ def _parse_yaml(path: Path, text: str) -> Any:
 
 
 def _check_nodes(path: Path, root: Any) -> None:
-    """Walks the composed graph as construction would expand it (an alias counts every time it is used)."""
-    from yaml import MappingNode, SequenceNode
+    """Walks the composed graph as construction would expand it (an alias counts every time it is used).
 
-    visited = 0
+    A node's children are counted together and only mappings and sequences are walked further: a job file of
+    40 000 hyperparameters is 40 000 scalars, and a step per scalar cost as much as building them."""
+    from yaml import MappingNode, ScalarNode, SequenceNode
+
+    visited = 1
     todo = [(root, 1)]
     while todo:
         node, depth = todo.pop()
-        visited += 1
+        if isinstance(node, MappingNode):
+            _check_keys(path, node.value)
+            children = [value for _key, value in node.value]
+        elif isinstance(node, SequenceNode):
+            children = node.value
+        else:
+            continue
+        visited += len(children)
         if visited > MAX_JOB_FILE_NODES:
             raise ConfigError(f"job file {path}: expands to more than {MAX_JOB_FILE_NODES} values (YAML aliases?)",
                               hint="a job file this large is not a job file; write the values out")
-        if depth > MAX_JOB_FILE_DEPTH:
+        if children and depth + 1 > MAX_JOB_FILE_DEPTH:
             raise ConfigError(f"job file {path}: nested deeper than {MAX_JOB_FILE_DEPTH} levels",
                               hint="the job file's sections are at most two levels deep")
-        if isinstance(node, MappingNode):
-            for key, value in node.value:
-                if key.tag != "tag:yaml.org,2002:str":
-                    line = key.start_mark.line + 1
-                    raise ConfigError(f"job file {path}: line {line}: the key {shown(str(key.value))} is not a "
-                                      f"string ({key.tag.rsplit(':', 1)[-1]})",
-                                      hint=f"quote it if it is meant as a name: \"{key.value}\":")
-                todo.append((value, depth + 1))
-        elif isinstance(node, SequenceNode):
-            todo.extend((item, depth + 1) for item in node.value)
+        todo.extend((child, depth + 1) for child in children if not isinstance(child, ScalarNode))
+
+
+def _check_keys(path: Path, pairs: list) -> None:
+    """Every key of a mapping is a string (`1: x` or `on: x` would be built as a number or a boolean)."""
+    for key, _value in pairs:
+        if key.tag != "tag:yaml.org,2002:str":
+            line = key.start_mark.line + 1
+            raise ConfigError(f"job file {path}: line {line}: the key {shown(str(key.value))} is not a "
+                              f"string ({key.tag.rsplit(':', 1)[-1]})",
+                              hint=f"quote it if it is meant as a name: \"{key.value}\":")
 
 
 def _suggestion(key: str, known) -> str:
@@ -159,17 +171,24 @@ def hyperparameters(raw: Any) -> Tuple[Tuple[str, str], ...]:
         return ()
     if not isinstance(raw, dict):
         raise ConfigError("job file key 'hyperparameters' must be a mapping of name: value")
-    pairs = []
-    for name, value in raw.items():
-        name = str(name)
-        if not _HYPERPARAMETER_NAME.match(name):
-            raise ConfigError(
-                f"job file key 'hyperparameters.{name}': a name must be 1-64 characters of A-Z a-z 0-9 _ -"
-            )
-        if isinstance(value, (dict, list)) or value is None:
-            raise ConfigError(f"job file key 'hyperparameters.{name}': expected a string, number or boolean")
-        pairs.append((name, format_value(value)))
-    return tuple(pairs)
+    names = [str(name) for name in raw]
+    # One match over all the names (each on its own line) for the common case; a name it refuses is found, and
+    # named, by matching them one at a time (40 000 hyperparameters: 40 000 calls saved).
+    if not _HYPERPARAMETER_NAMES.fullmatch("\n".join(names)):
+        for name in names:
+            if not _HYPERPARAMETER_NAME.match(name):
+                raise ConfigError(
+                    f"job file key 'hyperparameters.{name}': a name must be 1-64 characters of A-Z a-z 0-9 _ -"
+                )
+    values = list(raw.values())
+    if not all(map(_is_scalar, values)):
+        name = next(name for name, value in zip(names, values) if not _is_scalar(value))
+        raise ConfigError(f"job file key 'hyperparameters.{name}': expected a string, number or boolean")
+    return tuple(zip(names, map(format_value, values)))
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is not None and not isinstance(value, (dict, list))
 
 
 @dataclasses.dataclass(frozen=True)

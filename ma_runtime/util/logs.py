@@ -9,6 +9,7 @@ so a runtime line is never spliced into a worker line.
 
 import importlib
 import json
+import re
 import shlex
 import sys
 import types
@@ -47,6 +48,8 @@ COMPONENT = "ma-runtime"
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 # Keys that lead every logfmt line, in this order (the platform's own lines start so).
 _LEAD_KEYS = ("time", "level", "msg", "Component")
+# shlex.quote's own test: a word with none of these is written as it is.
+_NEEDS_QUOTING = re.compile(r"[^\w@%+=:,./-]", re.ASCII)
 
 
 class _Outputs:
@@ -96,7 +99,7 @@ def _logfmt_value(key: str, value: Any) -> str:
     if value is None:
         return '""'
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        value = shlex.join(value)  # a command line reads best as one
+        value = _command_line(value)  # a command line reads best as one
     if isinstance(value, bool):
         return "true" if value else "false"
     if not isinstance(value, str):
@@ -106,6 +109,14 @@ def _logfmt_value(key: str, value: Any) -> str:
     if key in ("time", "msg") or not value or any(c in value for c in ' ="\\\n\t'):
         return json.dumps(value, ensure_ascii=False)
     return value
+
+
+def _command_line(words) -> str:
+    """`shlex.join(words)`, its test for a word that needs quoting done once over all the words: a command line
+    of 40 000 hyperparameters is one pass, not 40 000 calls."""
+    if all(words) and not _NEEDS_QUOTING.search("".join(words)):
+        return " ".join(words)
+    return shlex.join(words)
 
 
 class _SinkReporter(output.Reporter):

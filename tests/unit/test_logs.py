@@ -195,3 +195,34 @@ def test_asyncio_is_imported_only_when_used():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "hello" in done.stderr
+
+
+# --- issue 29, item 9: a command line of many words is masked in one pass, word for word as `text` does ----------
+
+TRICKY_WORDS = [
+    "--password=hunter2x", "--api-token", "tok3n-value", "password: x1y2z3", "AKIA1234567890ABCDEF",
+    "A1B2C3D4E5F6G7H8I9J0A1B2C3D4E5F6G7H8I9J0", "AbCdEfGhIj0123456789", "prefix-a-secret-value-suffix",
+    "ſecret=folded-by-case", "PRIVATE_KEY='quoted value'", 'token="unclosed', "--lr=0.1", "", "-", "--",
+    "/tmp/\udcff/x", "é-password=é", "capital", "rapid=1", "x" * 19, "y" * 40, "credentials: OBS_ACCESS_KEY_ID",
+]
+
+
+@pytest.mark.parametrize("rotation", range(0, len(TRICKY_WORDS), 3))
+def test_words_are_masked_each_as_text_masks_it_alone(rotation):
+    masker = Masker(["a-secret-value"], names=["OBS_ACCESS_KEY_ID"])
+    words = TRICKY_WORDS[rotation:] + TRICKY_WORDS[:rotation]
+    expected = [masker.text(word) for word in words]
+    after_option = [i + 1 for i, word in enumerate(words[:-1]) if word == "--api-token"]
+    for index in after_option:
+        expected[index] = MASK  # the word after an option named like a secret, masked whole
+    assert masker.words(words) == expected
+    assert "hunter2x" not in str(masker.words(words)) and "a-secret-value" not in str(masker.words(words))
+
+
+def test_many_hyperparameters_are_masked_in_one_pass():
+    # 40 000 `--name=value` words, two of them secrets: the one-pass path finds exactly those.
+    words = [f"--hp_{i}={i / 2}" for i in range(40_000)]
+    words[123], words[39_999] = "--db_password=s3cr3t-value", "--x=AKIA1234567890ABCDEF"
+    masked = Masker().words(["python", "train.py", *words])
+    assert masked[2 + 123] == f"--db_password={MASK}" and masked[2 + 39_999] == f"--x={MASK}"
+    assert masked[2:2 + 123] == words[:123]

@@ -359,3 +359,55 @@ def test_the_exported_settings_reach_the_command_under_their_variables(tmp_path)
     assert {setting.env for setting in EXPORTED} >= {"MA_HOME", "VC_TASK_INDEX", "MA_RUNTIME_PROGRESS_FILE"}
     assert all(env[setting.env] == str(getattr(loaded, setting.name)) for setting in EXPORTED)
     assert (env["VC_TASK_INDEX"], env["MA_PROC_START_CNT"], env["MA_SCHEDULE_CNT"]) == ("2", "3", "1")
+
+
+# --- issue 29, item 9: many hyperparameters are checked in one pass, and a bad one among them is still named ------
+
+MANY = 20_000
+
+
+def many_hyperparameters(bad_line: str = "", at: int = MANY // 2) -> str:
+    lines = [f"  hp_{i}: {i / 2}\n" for i in range(MANY)]
+    if bad_line:
+        lines[at] = bad_line
+    return "hyperparameters:\n" + "".join(lines)
+
+
+def test_many_hyperparameters_are_read_in_order(tmp_path):
+    resolved = spec.load({}, {"MA_HOME": str(tmp_path)}, write_job(tmp_path, many_hyperparameters()))
+    assert resolved.hyperparameters == tuple((f"hp_{i}", str(i / 2)) for i in range(MANY))
+
+
+@pytest.mark.parametrize(
+    "bad_line, expected",
+    [
+        ("  'bad name': 1\n", "'hyperparameters.bad name': a name must be 1-64 characters"),
+        ("  " + "n" * 65 + ": 1\n", f"'hyperparameters.{'n' * 65}': a name must be"),
+        ("  hp_x: null\n", "'hyperparameters.hp_x': expected a string, number or boolean"),
+        ("  hp_y: [1, 2]\n", "'hyperparameters.hp_y': expected a string, number or boolean"),
+        ("  hp_z: {a: 1}\n", "'hyperparameters.hp_z': expected a string, number or boolean"),
+        ("  7: 1\n", f"line {MANY // 2 + 2}: the key '7' is not a string (int)"),
+        ("  deep: " + "[" * 40 + "1" + "]" * 40 + "\n", "nested deeper than 32 levels"),
+    ],
+)
+def test_a_bad_hyperparameter_among_many_is_named(tmp_path, bad_line, expected):
+    path = write_job(tmp_path, many_hyperparameters(bad_line))
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path)}, path)
+    assert expected in caught.value.reason
+
+
+def aliased_list(items: int) -> str:
+    """The root, two lists and the anchored list's items twice: 4 + 2 x items values once expanded."""
+    return "x: &x [" + ", ".join(["1"] * items) + "]\ny: [*x]\n"
+
+
+def test_the_value_bound_counts_scalars_walked_together(tmp_path):
+    # The bound counts every value as construction would expand it, scalars counted a mapping or list at a time:
+    # 100 000 values pass it (and fail later, on the unknown key), 100 002 do not.
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path)}, write_job(tmp_path, aliased_list(49_998)))
+    assert "unknown key 'x'" in caught.value.reason
+    with pytest.raises(ConfigError) as caught:
+        spec.load({}, {"MA_HOME": str(tmp_path)}, write_job(tmp_path, aliased_list(49_999)))
+    assert "expands to more than 100000 values" in caught.value.reason
