@@ -7,6 +7,7 @@ parsed here.
 """
 
 import dataclasses
+import operator
 import re
 import stat
 from pathlib import Path
@@ -27,6 +28,7 @@ MAX_JOB_FILE_BYTES = 1 << 20
 # YAML aliases let 400 bytes describe gigabytes ("billion laughs"): bounded after composing, before building.
 MAX_JOB_FILE_NODES = 100_000
 MAX_JOB_FILE_DEPTH = 32
+_STRING_TAG = "tag:yaml.org,2002:str"
 
 
 def config_path(flag_value: Optional[str], environ: Mapping[str, str]) -> Optional[Path]:
@@ -117,8 +119,8 @@ def _check_nodes(path: Path, root: Any) -> None:
     while todo:
         node, depth = todo.pop()
         if isinstance(node, MappingNode):
-            _check_keys(path, node.value)
-            children = [value for _key, value in node.value]
+            keys, children = zip(*node.value) if node.value else ((), ())
+            _check_keys(path, keys)
         elif isinstance(node, SequenceNode):
             children = node.value
         else:
@@ -133,10 +135,12 @@ def _check_nodes(path: Path, root: Any) -> None:
         todo.extend((child, depth + 1) for child in children if not isinstance(child, ScalarNode))
 
 
-def _check_keys(path: Path, pairs: list) -> None:
+def _check_keys(path: Path, keys: tuple) -> None:
     """Every key of a mapping is a string (`1: x` or `on: x` would be built as a number or a boolean)."""
-    for key, _value in pairs:
-        if key.tag != "tag:yaml.org,2002:str":
+    if set(map(operator.attrgetter("tag"), keys)) <= {_STRING_TAG}:
+        return
+    for key in keys:
+        if key.tag != _STRING_TAG:
             line = key.start_mark.line + 1
             raise ConfigError(f"job file {path}: line {line}: the key {shown(str(key.value))} is not a "
                               f"string ({key.tag.rsplit(':', 1)[-1]})",
@@ -181,14 +185,15 @@ def hyperparameters(raw: Any) -> Tuple[Tuple[str, str], ...]:
                     f"job file key 'hyperparameters.{name}': a name must be 1-64 characters of A-Z a-z 0-9 _ -"
                 )
     values = list(raw.values())
-    if not all(map(_is_scalar, values)):
-        name = next(name for name, value in zip(names, values) if not _is_scalar(value))
+    # The values' types, not the values, are looked at: a handful, however many hyperparameters.
+    if any(not _is_scalar_type(kind) for kind in set(map(type, values))):
+        name = next(name for name, value in zip(names, values) if not _is_scalar_type(type(value)))
         raise ConfigError(f"job file key 'hyperparameters.{name}': expected a string, number or boolean")
     return tuple(zip(names, map(format_value, values)))
 
 
-def _is_scalar(value: Any) -> bool:
-    return value is not None and not isinstance(value, (dict, list))
+def _is_scalar_type(kind: type) -> bool:
+    return kind is not type(None) and not issubclass(kind, (dict, list))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +253,6 @@ def _channel(kind: str, index: int, entry: Any) -> Channel:
 
 
 def format_value(value: Any) -> str:
-    """How a YAML value is written after `--name=`: booleans as the platform's True/False."""
-    if isinstance(value, bool):
-        return "True" if value else "False"
+    """How a YAML value is written after `--name=`: booleans as the platform's True/False, which is what `str`
+    writes (`str` itself, so that 40 000 values are one `map` in C, not 40 000 calls)."""
     return str(value)

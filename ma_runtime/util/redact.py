@@ -154,9 +154,10 @@ class Masker:
 
     def _each_word(self, words: List[str]) -> List[str]:
         """`[self.text(word) for word in words]`, in one pass (see _WORD_SEPARATOR)."""
-        if len(words) < 2 or self._values_hold_separator or any(_WORD_SEPARATOR in word for word in words):
-            return [self.text(word) for word in words]
-        joined = self._by_value(printable(_WORD_SEPARATOR.join(words)))
+        joined = _WORD_SEPARATOR.join(words)
+        if len(words) < 2 or self._values_hold_separator or joined.count(_WORD_SEPARATOR) != len(words) - 1:
+            return [self.text(word) for word in words]  # a word holds the separator itself
+        joined = self._by_value(printable(joined))
         masked = joined.split(_WORD_SEPARATOR)
         for index in _may_match_by_name_or_shape(joined, masked):
             masked[index] = self._by_name_and_shape(masked[index])
@@ -170,9 +171,10 @@ class Masker:
 
 def _may_match_by_name_or_shape(joined: str, words: List[str]) -> List[int]:
     """The indexes of the words (joined by _WORD_SEPARATOR) holding a secret word or long enough for a key shape."""
-    ends = list(itertools.accumulate(len(word) + 1 for word in words))  # each word's end, its separator counted
+    lengths = list(map(len, words))
+    ends = list(itertools.accumulate(map((1).__add__, lengths)))  # each word's end, its separator counted
     found = {bisect.bisect_right(ends, at) for at in _secret_word_positions(joined)}
-    found.update(index for index, word in enumerate(words) if len(word) >= _SHAPE_MIN_LEN)
+    found.update(itertools.compress(range(len(words)), map(_SHAPE_MIN_LEN.__le__, lengths)))
     return sorted(found)
 
 
