@@ -10,8 +10,6 @@
   forked helper (the guard) shows, so that nothing aimed at ma-run hits it.
 """
 
-import ctypes
-import ctypes.util
 import os
 from typing import Dict, Optional, Sequence
 
@@ -22,11 +20,13 @@ PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def _prctl(option: int, value) -> bool:
-    return _libc.prctl(option, value, 0, 0, 0) == 0
+    # ctypes is imported here, not with the module: a run as PID 1 never calls prctl (and the guard calls it
+    # in its own process). The C library is the one the interpreter runs on (dlopen(NULL), as sync/births.py
+    # does): ctypes.util.find_library("c") cost an `ldconfig -p` child and ctypes.util's imports at every start.
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
 
 
 def is_pid1() -> bool:
@@ -38,6 +38,8 @@ def become_subreaper() -> bool:
 
 
 def set_process_name(name: str) -> None:
+    import ctypes
+
     _prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
 
 
@@ -58,6 +60,8 @@ def set_command_line(words: Sequence[str]) -> bool:
     if start <= 0 or size <= 1:
         return False
     text = b"\0".join(word.encode() for word in words)[: size - 1]
+    import ctypes
+
     ctypes.memmove(start, text.ljust(size, b"\0"), size)
     return True
 
