@@ -24,7 +24,6 @@ import re
 from typing import List, Mapping, Tuple
 
 from ma_runtime.errors import ConfigError
-from ma_runtime.launch import peers
 from ma_runtime.launch.args import append_words
 from ma_runtime.launch.base import (
     Context,
@@ -78,6 +77,8 @@ def _multi_node(spec, environ: Mapping[str, str], argv: List[str]) -> List[str]:
     argv = append_words(argv, ["--task_index", str(spec.task_index), "--ps_hosts", _joined(hosts["ps"]),
                                "--worker_hosts", _joined(hosts["worker"]), "--job_name", spec.task_name])
     if spec.task_name == "ps":  # it would serve forever: it ends when every worker has gone
+        from ma_runtime.launch import peers  # sockets and processes: only for the ps, when it is planned
+
         return peers.watcher_argv(hosts["worker"], spec.peer_wait_seconds, argv, gone_seconds=spec.peer_gone_seconds)
     return argv
 

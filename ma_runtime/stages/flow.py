@@ -7,15 +7,14 @@ takes the `stopped` event as its last argument.
 """
 
 import dataclasses
-import functools
 import os
 import threading
 from typing import Any, Mapping, Sequence
 
 from ma_runtime import spec as spec_module
 from ma_runtime.errors import PreflightFailed
-from ma_runtime.launch import peers, registry
 from ma_runtime.launch import plan as plan_module
+from ma_runtime.launch import registry
 from ma_runtime.launch.args import build_argv
 from ma_runtime.stages.stagein import Staged, stage_in
 from ma_runtime.supervise import attempt_processes
@@ -104,10 +103,17 @@ def plan_attempt(spec: spec_module.JobSpec, command: Sequence[str], prepared: Pr
     """The processes attempt N starts (launch/plan.py); msrun's and mpirun's may wait for peers' names."""
     # Inputs and outputs first, then hyperparameters: the platform's order is unspecified (docs/platform.md, D9).
     argv = build_argv(command, [*prepared.staged.arguments, *spec.hyperparameters])
-    resolve = functools.partial(peers.resolve_until, seconds=spec.master_resolve_seconds)
     log = logs.get_logger()
 
+    # launch/peers.py (sockets, processes) is imported by the launchers that wait for peers, when they do.
+    def resolve(*args: Any, **kwargs: Any):
+        from ma_runtime.launch import peers
+
+        return peers.resolve_until(*args, seconds=spec.master_resolve_seconds, **kwargs)
+
     def reach(endpoints):  # mpirun's worker-0 waits for every node's sshd (launch/peers.py)
+        from ma_runtime.launch import peers
+
         return peers.reach_all(endpoints, spec.peer_wait_seconds, log, stopped)
 
     # What the stages set or changed for the workers: the hooks' exports, stage-in's variables (the runtime's own

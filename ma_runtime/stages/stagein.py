@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -227,6 +226,8 @@ class _CompleteUnits:
         if not length:
             return b""
         read = functools.partial(self.store.read_range, etag=info.etag, whole=length == info.size)
+        import tempfile  # (and random, hashlib's sha512): only for a part read back, not at every start-up
+
         with tempfile.TemporaryFile() as sink:
             self.calls(read, self.location.bucket, info.key, 0, length, sink.fileno(), 0)
             sink.seek(0)

@@ -47,11 +47,13 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Collection, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ma_runtime.supervise.hang_measures import IDLE_PERCENT, Interval, JobTree, Sample, activity, flat, flat_words
-from ma_runtime.supervise.progress import ProgressSink
 from ma_runtime.util import accelerators
+
+if TYPE_CHECKING:  # the pattern's matcher process (sockets): imported when a pattern is set
+    from ma_runtime.supervise.progress import ProgressSink
 
 PERIODS_PER_WINDOW = 5
 PERIOD_CAP = 60.0
@@ -211,10 +213,12 @@ class Monitor:
         if self._first_progress is None:
             self._first_progress = now
 
-    def sink(self) -> Optional[ProgressSink]:
+    def sink(self) -> "Optional[ProgressSink]":
         """The workers' output goes here too when a progress pattern is set."""
         if self.config.progress_pattern is None:
             return None
+        from ma_runtime.supervise.progress import ProgressSink
+
         return ProgressSink(self.config.progress_pattern, self.progress, self._pattern_lost)
 
     def _pattern_lost(self) -> None:

@@ -12,6 +12,10 @@ import pytest
 # ctypes.util: its find_library("c") ran `ldconfig -p` at every start; prctl finds the C library without it.
 # asyncio: for the job's code, never the runtime's. yaml: only for a job that has a job file.
 NEVER_AT_START = ("ctypes.util", "asyncio", "yaml")
+# What a one-node run without hang detection, stage-in or a job file has no use for: the peers' sockets (launchers
+# that wait for peers), the progress pattern's matcher, the DNS resolver (several nodes), a temporary file.
+NOT_FOR_A_PLAIN_RUN = ("socket", "tempfile", "ma_runtime.launch.peers", "ma_runtime.supervise.progress",
+                       "ma_runtime.stages.preflight.dns_resolve")
 
 
 def imported_modules(stderr: str):
@@ -26,6 +30,7 @@ def test_a_run_imports_none_of_what_it_does_not_need(job_env):
     modules = imported_modules(done.stderr)
     assert "ma_runtime.bootstrap" in modules  # the record is there: the run itself was traced
     assert not [name for name in modules if name.split(".")[0] in NEVER_AT_START or name in NEVER_AT_START]
+    assert not [name for name in modules if name in NOT_FOR_A_PLAIN_RUN]
 
 
 @pytest.mark.parametrize("module", ["ma_runtime.cli", "ma_runtime.bootstrap", "ma_runtime.supervise.pid1",

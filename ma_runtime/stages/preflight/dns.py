@@ -17,11 +17,13 @@ every PROGRESS_SECONDS. The check does not log; the runner passes a callback.
 import ipaddress
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
 from ma_runtime.spec import JobSpec
-from ma_runtime.stages.preflight.dns_resolve import OnWait, Resolution, resolve
 from ma_runtime.stages.preflight.model import Progress, Result, Status, passed, skipped
+
+if TYPE_CHECKING:  # the resolver (sockets, threads, a queue) is imported when there are names to resolve
+    from ma_runtime.stages.preflight.dns_resolve import OnWait, Resolution
 
 ITEM = "dns"
 UNRESOLVED_LISTED = 50  # names kept in detail["unresolved"]
@@ -40,13 +42,15 @@ def run(spec: JobSpec, environ: Mapping[str, str], progress: Optional[Progress] 
     if not names:
         reason = f"no {volcano_dir}/*.host files and VC_WORKER_HOSTS unset: single-node job"
         return [skipped(ITEM, reason)]
+    from ma_runtime.stages.preflight.dns_resolve import resolve
+
     on_wait = _progress_fields(progress) if progress else None
     outcome = resolve(names, spec.preflight_dns_timeout_seconds, spec.preflight_dns_deadline_seconds,
                       progress=on_wait)
     return [_result(outcome, spec.preflight_dns_deadline_seconds, volcano_dir)]
 
 
-def _progress_fields(progress: Progress) -> OnWait:
+def _progress_fields(progress: Progress) -> "OnWait":
     """The runner's generic callback, fed the dns check's own message and fields."""
     announced = []
 
@@ -119,7 +123,7 @@ def _is_address(token: str) -> bool:
 # --- the Result -----------------------------------------------------------------------------------
 
 
-def _result(outcome: Resolution, deadline: float, volcano_dir: Path) -> Result:
+def _result(outcome: "Resolution", deadline: float, volcano_dir: Path) -> Result:
     total = len(outcome.resolved) + len(outcome.unresolved)
     if not outcome.unresolved:
         return passed(ITEM, len(outcome.resolved), total, unit="names", detail={"rounds": outcome.rounds})
