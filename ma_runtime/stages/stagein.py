@@ -31,16 +31,18 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from ma_runtime.errors import ConfigError
 from ma_runtime.spec import JobSpec
 from ma_runtime.spec.jobfile import Channel
-from ma_runtime.storage import url as storage_url
-from ma_runtime.storage.base import ObjectInfo, StorageError
 from ma_runtime.sync import units as units_module
 from ma_runtime.util import records
 from ma_runtime.util.files import write_atomically
+
+# The storage layer is imported by the jobs that stage something in, when they do: most start with nothing to fetch.
+if TYPE_CHECKING:
+    from ma_runtime.storage.base import ObjectInfo
 
 # (total bytes, files, single file bytes) the platform's console allows (docs/platform.md, "Stage-in").
 LIMITS = {
@@ -60,6 +62,8 @@ class Staged:
 
 def code_dir(spec: JobSpec) -> Path:
     """`obs://b/path/demo-code` -> `${MA_JOB_DIR}/demo-code`: the last path part is kept (docs/platform.md)."""
+    from ma_runtime.storage import url as storage_url
+
     name = storage_url.parse(spec.code_url, "code URL").last_part
     # parse() refuses these already; the rule is restated where the path is made, as the promise it is.
     if name in ("", ".", "..") or "/" in name or "\0" in name:
@@ -86,11 +90,15 @@ def stage_in(spec: JobSpec, environ, log, attempt: Optional[int] = None) -> Stag
     try:
         return _stage_all(spec, environ, log, spec.proc_start_cnt if attempt is None else attempt)
     except OSError as exc:  # the local side: a folder that cannot be made, a record that cannot be written
+        from ma_runtime.storage.base import StorageError
+
         where = f": {exc.filename}" if exc.filename else ""
         raise StorageError(f"stage-in failed{where}: {exc.strerror or exc}", stage="stage-in") from None
 
 
 def _stage_all(spec: JobSpec, environ, log, attempt: int) -> Staged:
+    from ma_runtime.storage import url as storage_url
+
     staged = Staged()
     record = _Record(spec.state_dir / "staged.json", reuse=attempt > 1, log=log)
     if spec.code_url:
@@ -116,6 +124,7 @@ def _fetch(spec, environ, log, record, kind: str, location, target: Path, channe
         log.info(f"{what} already staged; not fetched again", url=location.text, path=previous)
         return Path(previous)
     from ma_runtime.storage import transfer
+    from ma_runtime.storage.base import StorageError
     from ma_runtime.storage.stores import open_store
 
     started = time.monotonic()
@@ -147,6 +156,8 @@ def _names(reason: str, location) -> bool:
 
 
 def _as_prefix(url: str):
+    from ma_runtime.storage import url as storage_url
+
     location = storage_url.parse(url)
     return location if location.is_prefix else storage_url.parse(url.rstrip("/") + "/")
 
@@ -197,7 +208,7 @@ class _CompleteUnits:
         self.calls = transfer.Calls(options, log)
         self.markers: List[str] = []  # the relative paths of the markers kept
 
-    def __call__(self, listed: List[ObjectInfo], prefix: str) -> List[ObjectInfo]:
+    def __call__(self, listed: "List[ObjectInfo]", prefix: str) -> "List[ObjectInfo]":
         files = {info.key[len(prefix):]: info for info in listed if not info.key.endswith("/")}
         torn = units_module.incomplete_unit_folders(files, self.units, lambda relative: self._read(files[relative]))
         outermost = [folder for folder in torn if not any(units_module.under(folder, other) for other in torn
@@ -221,7 +232,7 @@ class _CompleteUnits:
             self.log.info(f"{self.what} left out writers' temporary files", url=self.location.text, files=scratch)
         return kept
 
-    def _read(self, info: ObjectInfo) -> bytes:
+    def _read(self, info: "ObjectInfo") -> bytes:
         length = min(info.size, units_module.POINTER_LIMIT)
         if not length:
             return b""

@@ -13,9 +13,10 @@ import pytest
 # asyncio: for the job's code, never the runtime's. yaml: only for a job that has a job file.
 NEVER_AT_START = ("ctypes.util", "asyncio", "yaml")
 # What a one-node run without hang detection, stage-in or a job file has no use for: the peers' sockets (launchers
-# that wait for peers), the progress pattern's matcher, the DNS resolver (several nodes), a temporary file.
+# that wait for peers), the progress pattern's matcher, the DNS resolver (several nodes), a temporary file, the
+# storage layer (nothing to stage in).
 NOT_FOR_A_PLAIN_RUN = ("socket", "tempfile", "ma_runtime.launch.peers", "ma_runtime.supervise.progress",
-                       "ma_runtime.stages.preflight.dns_resolve")
+                       "ma_runtime.stages.preflight.dns_resolve", "ma_runtime.storage.base", "ma_runtime.storage.url")
 
 
 def imported_modules(stderr: str):
