@@ -189,7 +189,8 @@ def hyperparameters(raw: Any) -> Tuple[Tuple[str, str], ...]:
     if any(not _is_scalar_type(kind) for kind in set(map(type, values))):
         name = next(name for name, value in zip(names, values) if not _is_scalar_type(type(value)))
         raise ConfigError(f"job file key 'hyperparameters.{name}': expected a string, number or boolean")
-    return tuple(zip(names, map(format_value, values)))
+    # How a value is written after `--name=`: booleans as the platform's True/False, which is what `str` writes.
+    return tuple(zip(names, map(str, values)))
 
 
 def _is_scalar_type(kind: type) -> bool:
@@ -250,9 +251,3 @@ def _channel(kind: str, index: int, entry: Any) -> Channel:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key} must be true or false")
     return Channel(kind, index, name, url.strip(), mode, **switches)
-
-
-def format_value(value: Any) -> str:
-    """How a YAML value is written after `--name=`: booleans as the platform's True/False, which is what `str`
-    writes (`str` itself, so that 40 000 values are one `map` in C, not 40 000 calls)."""
-    return str(value)

@@ -8,6 +8,7 @@ so a runtime line is never spliced into a worker line.
 """
 
 import importlib
+import itertools
 import json
 import re
 import shlex
@@ -98,7 +99,7 @@ def render_logfmt(_logger: Any, _method: str, event: Dict[str, Any]) -> str:
 def _logfmt_value(key: str, value: Any) -> str:
     if value is None:
         return '""'
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+    if isinstance(value, (list, tuple)) and all(map(isinstance, value, itertools.repeat(str))):
         value = _command_line(value)  # a command line reads best as one
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -133,7 +133,7 @@ class Masker:
         if isinstance(value, Mapping):
             return {printable(k) if isinstance(k, str) else k: self.data(v, str(k)) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            if value and all(isinstance(item, str) for item in value):
+            if value and all(map(isinstance, value, itertools.repeat(str))):
                 return self.words(value)
             return [self.data(item) for item in value]
         return value
