@@ -40,15 +40,17 @@ if _runs_a_command(sys.argv):
 else:
     _SIGNALS = None
 
-import argparse  # noqa: E402 - after the signal queue, on purpose
-import signal  # noqa: E402
-from typing import List, NoReturn, Optional, Sequence, Tuple  # noqa: E402
+import signal  # noqa: E402 - after the signal queue, on purpose
+from typing import TYPE_CHECKING, Any, List, NoReturn, Optional, Sequence, Tuple  # noqa: E402
 
 from ma_runtime import __version__  # noqa: E402
 from ma_runtime.errors import ExitCode  # noqa: E402
 from ma_runtime.setting import BadValue, shown  # noqa: E402
 from ma_runtime.spec.jobfile import CONFIG_ENV  # noqa: E402
 from ma_runtime.spec.table import SETTINGS, parse_check_names, parse_seconds  # noqa: E402
+
+if TYPE_CHECKING:
+    import argparse
 
 _EXIT_CODES = "\n".join(
     f"  {int(code):>3}  {code.name.lower().replace('_', ' ')}" for code in ExitCode if code != ExitCode.OK
@@ -63,16 +65,25 @@ metavar) or by the same key in the job file; flags > env > file > defaults.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with one-line errors and the "bad configuration" exit code."""
+def new_parser(**settings: Any) -> "argparse.ArgumentParser":
+    """An argparse parser with one-line errors and the "bad configuration" exit code.
 
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-        sys.exit(ExitCode.BAD_CONFIGURATION)
+    argparse (and the gettext it imports) is imported here, not with this module: a run with no option of ours
+    before its command (`ma-run CMD`, `ma-runtime run -- CMD`) builds no parser at all (run_main)."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+            sys.exit(ExitCode.BAD_CONFIGURATION)
+
+    return Parser(**settings)
 
 
-def _run_parser(prog: str) -> _Parser:
-    parser = _Parser(
+def _run_parser(prog: str) -> "argparse.ArgumentParser":
+    import argparse
+
+    parser = new_parser(
         prog=prog,
         usage=f"{prog} [OPTIONS] [--] CMD...",
         description="Run CMD as a supervised training command (PID-1 duties, logs, exit codes).",
@@ -104,7 +115,7 @@ def plan_main(argv: Sequence[str]) -> int:
     return commands.plan_command(flags, options.config, command, options.json)
 
 
-def split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+def split_command(parser: "argparse.ArgumentParser", argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """(our options, the command): the command starts at `--` or at the first non-option."""
     i = 0
     while i < len(argv):
@@ -127,18 +138,25 @@ def run_main(argv: Sequence[str], prog: str) -> int:
     from ma_runtime.supervise.signals import SignalQueue
 
     signals = _SIGNALS or SignalQueue()
-    parser = _run_parser(prog)
-    ours, command = split_command(parser, argv)
-    options = parser.parse_args(ours)
-    flags = {s.name: getattr(options, s.name) for s in SETTINGS if getattr(options, s.name, None) is not None}
+    if argv and argv[0].startswith("-") and argv[0] not in ("-", "--"):
+        parser = _run_parser(prog)
+        ours, command = split_command(parser, argv)
+        options = parser.parse_args(ours)
+        flags = {s.name: getattr(options, s.name) for s in SETTINGS if getattr(options, s.name, None) is not None}
+        config, print_config = options.config, options.print_config
+    else:
+        # No option of ours before the command (split_command's first word): what parsing nothing gives, without
+        # importing argparse or building the parser (milliseconds of every container's start).
+        command = list(argv[1:] if argv[:1] == ["--"] else argv)
+        flags, config, print_config = {}, None, False
     # Imported here: `ma-runtime version` and `--help` should not pay for structlog and the run's modules.
     from ma_runtime import bootstrap
 
-    return bootstrap.run(flags, options.config, command, options.print_config, signals)
+    return bootstrap.run(flags, config, command, print_config, signals)
 
 
-def _top_parser() -> _Parser:
-    parser = _Parser(
+def _top_parser() -> "argparse.ArgumentParser":
+    parser = new_parser(
         prog="ma-runtime",
         description="The first program in a ModelArts-style training container.",
         allow_abbrev=False,
@@ -158,8 +176,8 @@ def _top_parser() -> _Parser:
     return parser
 
 
-def _ranktable_parser() -> _Parser:
-    parser = _Parser(
+def _ranktable_parser() -> "argparse.ArgumentParser":
+    parser = new_parser(
         prog="ma-runtime ranktable",
         description="The HCCL rank table (jobstart_hccl.json): wait for status=completed, or convert template two "
         "to template one.",
@@ -191,6 +209,8 @@ def _seconds(text: str) -> float:
     try:
         return parse_seconds(text)
     except BadValue as exc:
+        import argparse  # loaded already: argparse is what calls this
+
         raise argparse.ArgumentTypeError(f"{shown(text)} {exc}") from None
 
 
@@ -203,8 +223,8 @@ def ranktable_main(argv: Sequence[str]) -> int:
     return commands.ranktable_convert_command(options.input, options.output)
 
 
-def _preflight_parser(prog: str) -> _Parser:
-    parser = _Parser(
+def _preflight_parser(prog: str) -> "argparse.ArgumentParser":
+    parser = new_parser(
         prog=prog,
         description="Run the platform's node checks (dns, disk-size, ulimit, gpu, npu) and report.",
         epilog="exit 0 when no fatal check failed, 79 when one did, 78 on bad configuration. "
@@ -222,6 +242,8 @@ def _check_names(text: str):
     try:
         return parse_check_names(text)
     except BadValue as exc:
+        import argparse  # loaded already: argparse is what calls this
+
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 

@@ -305,9 +305,9 @@ USAGE = (f"{PROG} --image IMAGE [--config job.yaml] [--nodes N] [--method METHOD
 
 
 def parser() -> argparse.ArgumentParser:
-    from ma_runtime.cli import _Parser
+    from ma_runtime.cli import new_parser
 
-    found = _Parser(prog=PROG, usage=USAGE, allow_abbrev=False,
+    found = new_parser(prog=PROG, usage=USAGE, allow_abbrev=False,
                     description="Print the Volcano Job (batch.volcano.sh/v1alpha1) that runs CMD under ma-runtime on "
                     "an on-premise Volcano cluster: gang scheduling, the env/svc (ssh) plugins, the platform's "
                     "environment, devices, and lifecycle policies keyed to ma-runtime's exit codes.",

@@ -16,7 +16,8 @@ NEVER_AT_START = ("ctypes.util", "asyncio", "yaml")
 # that wait for peers), the progress pattern's matcher, the DNS resolver (several nodes), a temporary file, the
 # storage layer (nothing to stage in).
 NOT_FOR_A_PLAIN_RUN = ("socket", "tempfile", "ma_runtime.launch.peers", "ma_runtime.supervise.progress",
-                       "ma_runtime.stages.preflight.dns_resolve", "ma_runtime.storage.base", "ma_runtime.storage.url")
+                       "ma_runtime.stages.preflight.dns_resolve", "ma_runtime.storage.base", "ma_runtime.storage.url",
+                       "argparse")
 
 
 def imported_modules(stderr: str):
