@@ -7,6 +7,7 @@ parsed here.
 """
 
 import dataclasses
+import itertools
 import operator
 import re
 import stat
@@ -132,7 +133,10 @@ def _check_nodes(path: Path, root: Any) -> None:
         if children and depth + 1 > MAX_JOB_FILE_DEPTH:
             raise ConfigError(f"job file {path}: nested deeper than {MAX_JOB_FILE_DEPTH} levels",
                               hint="the job file's sections are at most two levels deep")
-        todo.extend((child, depth + 1) for child in children if not isinstance(child, ScalarNode))
+        # The children that are not scalars, each with its depth (in C: no Python step per scalar).
+        scalar = map(isinstance, children, itertools.repeat(ScalarNode))
+        nested = itertools.compress(children, map(operator.not_, scalar))
+        todo.extend(zip(nested, itertools.repeat(depth + 1)))
 
 
 def _check_keys(path: Path, keys: tuple) -> None:
