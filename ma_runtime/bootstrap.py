@@ -58,6 +58,7 @@ def run(flags: Mapping[str, str], config_file: Optional[str], command: Sequence[
         context.open_task_log()
         for note in spec.notes:
             log.info(note)
+        spec_module.warn_unknown_variables(log, os.environ)
         context.start_guard()  # before any thread: the guard is a fork of this process
         context.job = coordinator.for_job(spec, log)  # worker-0's store is up before its stages: others report
         first = attempt_module.first(spec, context.run_id, log)

@@ -74,10 +74,21 @@ def new_parser(**settings: Any) -> "argparse.ArgumentParser":
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str) -> NoReturn:
+            unknown = message.split(": ", 1)[1].split()[0] if message.startswith("unrecognized arguments: ") else ""
+            if unknown.startswith("--"):
+                message += _did_you_mean(self, unknown.split("=", 1)[0])
             sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
             sys.exit(ExitCode.BAD_CONFIGURATION)
 
     return Parser(**settings)
+
+
+def _did_you_mean(parser: "argparse.ArgumentParser", option: str) -> str:
+    """` (did you mean --max-restarts?)` for an option that misspells one of the parser's, else nothing."""
+    from ma_runtime.setting import closest
+
+    close = closest(option, (known for known in parser._option_string_actions if known.startswith("--")))
+    return f" (did you mean {close}?)" if close else ""
 
 
 def _run_parser(prog: str) -> "argparse.ArgumentParser":
@@ -124,9 +135,11 @@ def split_command(parser: "argparse.ArgumentParser", argv: Sequence[str]) -> Tup
             return list(argv[:i]), list(argv[i + 1 :])
         if not word.startswith("-") or word == "-":
             return list(argv[:i]), list(argv[i:])
-        action = parser._option_string_actions.get(word.split("=", 1)[0])
+        option = word.split("=", 1)[0]
+        action = parser._option_string_actions.get(option)
         if action is None:
-            parser.error(f"unknown option {word.split('=', 1)[0]}; put the command after -- if it is the command's")
+            parser.error(f"unknown option {option}{_did_you_mean(parser, option)}; put the command after -- if it is "
+                         "the command's")
         takes_value = action.nargs != 0 and "=" not in word
         i += 2 if takes_value else 1
     return list(argv), []

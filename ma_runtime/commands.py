@@ -31,6 +31,7 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     except ConfigError as failure:
         return _tool_failure(log, failure)
     logs.configure(spec.log_format, spec.log_level, masker)
+    spec_module.warn_unknown_variables(log, os.environ)
     if spec.skip_image_detect == "0":
         log.info("MA_SKIP_IMAGE_DETECT=0 turns preflight off in ma-runtime run; running it because it was asked for")
     report = runner.run(spec, os.environ, runner.select(spec.preflight_checks, only, skip), log)
@@ -63,6 +64,7 @@ def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: 
         return _tool_failure(log, failure)
     except Exception as exc:  # a bug of ours: still one line and a code
         return _tool_failure(log, RuntimeFailure(f"internal error: {type(exc).__name__}: {exc}"))
+    spec_module.warn_unknown_variables(log, os.environ)
     for warning in plan.warnings:  # on stderr too: `--json` readers see the document, people see this
         log.warning(warning)
     document = masker.data(plan.to_dict())
@@ -128,6 +130,7 @@ def _tool_setup():
         _tool_failure(log, failure)
         return log, None
     logs.configure(spec.log_format, spec.log_level, masker)
+    spec_module.warn_unknown_variables(log, os.environ)
     return log, spec
 
 def _tool_failure(log, failure: RuntimeFailure) -> int:

@@ -9,7 +9,7 @@ nothing here may import spec or launch. Each parser carries what the docs and th
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 
 from ma_runtime.errors import ConfigError
 
@@ -277,6 +277,15 @@ def shown(value: str) -> str:
     if len(value) <= _SHOWN_CHARS:
         return repr(value)
     return f"{value[:_SHOWN_CHARS]!r}... ({len(value)} characters)"
+
+
+def closest(word: str, names: Iterable[str]) -> Optional[str]:
+    """The known name `word` most likely misspells, or None: the "did you mean" of a job-file key, a variable or
+    a flag. difflib is imported here, when something is misspelt, not at every start."""
+    import difflib
+
+    found = difflib.get_close_matches(word, sorted(names), n=1, cutoff=0.6)
+    return found[0] if found else None
 
 
 def dotted(key: str) -> str:

@@ -137,6 +137,12 @@ def settings_page() -> str:
         "[Running a job](../guides/job-author.md#settings). An empty variable counts as unset. A key of a",
         "section (`hang.detect`) is written in the job file as `hang: {detect: ...}`. Defaults the table leaves",
         "empty are unset or derived at run time, as the meaning says.",
+        "",
+        "A variable with the runtime's prefix (`MA_RUNTIME_`) that no setting reads is a warning (`unknown variable`,",
+        "with the variable and the name it most likely misspells: `did you mean MA_RUNTIME_MAX_RESTARTS?`) from",
+        "`run`, `plan` and the operators' tools; the job still runs. An unknown flag is exit 78, with the flag it",
+        "most likely misspells; a job-file key too. The prefix's names read outside this table: "
+        + ", ".join(f"`{name}`" for name in spec.table.READ_ELSEWHERE) + ".",
     ]
     sections: Dict[str, List[Any]] = {}
     for setting in settings:

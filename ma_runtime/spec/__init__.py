@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ma_runtime.errors import ConfigError
-from ma_runtime.setting import BadValue, Setting, shown
+from ma_runtime.setting import BadValue, Setting, closest, shown
 from ma_runtime.spec import jobfile
 from ma_runtime.spec.jobfile import Channel
-from ma_runtime.spec.table import LOG_FORMATS, SETTINGS, SETTINGS_BY_NAME
+from ma_runtime.spec.table import LOG_FORMATS, PREFIX, READ_ELSEWHERE, SETTINGS, SETTINGS_BY_NAME, VARIABLES
 
 PLATFORM_HOME = Path("/home/ma-user")
 # Settings whose default is derived from another once that is resolved (never None in a JobSpec).
@@ -160,6 +160,28 @@ def value_from(name: str, environ: Mapping[str, str]) -> Optional[Any]:
     is set. The one rule for reading a setting's variables: `load` and the rank table's node view use it."""
     found = _from_environ(SETTINGS_BY_NAME[name], environ)
     return None if found is None else _parsed(SETTINGS_BY_NAME[name], *found)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> List[Dict[str, str]]:
+    """The fields of one "unknown variable" warning for every variable with the runtime's prefix that nothing reads
+    (a misspelt MA_RUNTIME_MAX_RESTARTS would otherwise be ignored without a word): the variable, and the known one it
+    most likely misspells."""
+    known = {name[len(PREFIX):] for name in (*VARIABLES, *READ_ELSEWHERE) if name.startswith(PREFIX)}
+    warnings = []
+    for name in sorted(environ):
+        if name.startswith(PREFIX) and name[len(PREFIX):] not in known:
+            # Compared without the prefix, which every name shares and which would make any two look alike.
+            close = closest(name[len(PREFIX):], known)
+            every = "docs/reference/settings.md lists every variable"
+            hint = f"did you mean {PREFIX}{close}? ({every})" if close else f"no setting reads it ({every})"
+            warnings.append({"variable": name, "hint": hint})
+    return warnings
+
+
+def warn_unknown_variables(log: Any, environ: Mapping[str, str]) -> None:
+    """One warning per variable `unknown_variables` finds; every command that loads the job's settings says them."""
+    for fields in unknown_variables(environ):
+        log.warning("unknown variable", **fields)
 
 
 def early_log_format(environ: Mapping[str, str]) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ma_runtime.errors import ConfigError
-from ma_runtime.setting import FILE_SECTIONS, dotted, shown
+from ma_runtime.setting import FILE_SECTIONS, closest, dotted, shown
 from ma_runtime.spec.table import SETTINGS_BY_NAME
 
 CONFIG_ENV = "MA_RUNTIME_CONFIG"
@@ -152,12 +152,9 @@ def _check_keys(path: Path, keys: tuple) -> None:
 
 
 def _suggestion(key: str, known) -> str:
-    import difflib
-
-    names = sorted(dotted(k) for k in known)
-    close = difflib.get_close_matches(dotted(key), names, n=1, cutoff=0.6)
+    close = closest(dotted(key), (dotted(k) for k in known))
     every = "docs/reference/settings.md lists every key"
-    return f"did you mean '{close[0]}'? ({every})" if close else every
+    return f"did you mean '{close}'? ({every})" if close else every
 
 
 def _flatten_sections(path: Path, data: Dict[str, Any]) -> Dict[str, Any]:

@@ -76,6 +76,8 @@ def test_command_sees_the_resolved_job_and_the_counters(job_env):
     "argv, expected",
     [
         (["--bogus", "python"], "unknown option --bogus"),
+        (["--max-restart", "2", "python"], "unknown option --max-restart (did you mean --max-restarts?)"),
+        (["--max-restarts=2", "--log-levle=debug", "python"], "unknown option --log-levle (did you mean --log-level?)"),
         (["--num-gpus"], "expected one argument"),
         ([], "no command given"),
     ],
@@ -89,3 +91,30 @@ def test_usage_errors_are_one_line_with_exit_code_78(job_env, argv, expected):
 
 def test_print_config_is_json_even_without_command(job_env):
     assert json.loads(run_ma(["--print-config"], job_env).stdout)["command"] == []
+
+
+def test_an_unknown_option_of_a_tool_names_the_one_it_misspells(job_env):
+    # argparse's own "unrecognized arguments" (the operators' tools) gets the suggestion too.
+    result = run([MA_RUNTIME, "preflight", "--onyl", "dns"], job_env)
+    assert result.returncode == 78
+    assert "unrecognized arguments: --onyl dns (did you mean --only?)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("variable, hint", [
+    ("MA_RUNTIME_MAX_RESTART", "did you mean MA_RUNTIME_MAX_RESTARTS?"),
+    ("MA_RUNTIME_ZQXJ", "no setting reads it"),
+])
+def test_a_variable_with_the_runtime_s_prefix_that_nothing_reads_is_one_warning(job_env, variable, hint):
+    result = run_ma(["true"], {**job_env, variable: "2"})
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if 'msg="unknown variable"' in line]
+    assert len(warnings) == 1 and "level=warning" in warnings[0]
+    assert f"variable={variable}" in warnings[0] and hint in warnings[0]
+    plan = run([MA_RUNTIME, "plan", "--", "true"], {**job_env, variable: "2"})
+    assert plan.returncode == 0 and f"variable={variable}" in plan.stderr  # what plan and the tools load, too
+
+
+def test_the_runtime_s_own_variables_are_no_warning(job_env):
+    result = run_ma(["true"], {**job_env, "MA_RUNTIME_MAX_RESTARTS": "2", "MA_RUNTIME_TESTS_STRICT": "1"})
+    assert result.returncode == 0 and "unknown variable" not in result.stderr

@@ -411,3 +411,41 @@ def test_the_value_bound_counts_scalars_walked_together(tmp_path):
     with pytest.raises(ConfigError) as caught:
         spec.load({}, {"MA_HOME": str(tmp_path)}, write_job(tmp_path, aliased_list(49_999)))
     assert "expands to more than 100000 values" in caught.value.reason
+
+
+# --------------------------------------------------------------------------- variables nothing reads
+
+
+def test_every_variable_with_the_prefix_that_the_project_names_is_known():
+    # The family: a name the runtime, its entrypoint shim or its test suite reads or sets must never be warned about
+    # as unknown; a new one must be a setting or be listed in READ_ELSEWHERE.
+    import re
+    from pathlib import Path
+
+    root = Path(spec.__file__).resolve().parents[2]
+    sources = [*root.joinpath("ma_runtime").rglob("*.py"), root / "entrypoints" / "ma-runtime-entrypoint",
+               root / "tests" / "suite_plugin.py"]
+    named = {name for path in sources for name in re.findall(r"\bMA_RUNTIME_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
+    environ = {name: "1" for name in named}
+    assert spec.unknown_variables(environ) == []
+    assert len(named) > 50  # the scan found the names (a wrong root would find none and pass)
+
+
+def test_the_names_read_elsewhere_are_the_ones_their_readers_use():
+    from ma_runtime import termination
+    from ma_runtime.process import worker
+    from ma_runtime.spec import jobfile, table
+    from ma_runtime.supervise.stacks import registry
+
+    readers = {jobfile.CONFIG_ENV, termination.PATH_ENV, worker.LINEAGE_ENV, registry.DIR_ENV, registry.SIGNAL_ENV}
+    assert readers <= set(table.READ_ELSEWHERE)
+
+
+def test_an_unknown_variable_names_the_closest_known_one_compared_without_the_prefix():
+    found = spec.unknown_variables({"MA_RUNTIME_MAX_RESTART": "2", "MA_RUNTIME_HANG_DETECT_SECONDZ": "1",
+                                           "MA_RUNTIME_QQQ": "1", "MA_RUN_METHOD": "x", "OTHER": "1"})
+    assert [(w["variable"], w["hint"].split(" (")[0]) for w in found] == [
+        ("MA_RUNTIME_HANG_DETECT_SECONDZ", "did you mean MA_RUNTIME_HANG_DETECT_SECONDS?"),
+        ("MA_RUNTIME_MAX_RESTART", "did you mean MA_RUNTIME_MAX_RESTARTS?"),
+        ("MA_RUNTIME_QQQ", "no setting reads it"),
+    ]
