@@ -28,7 +28,7 @@ it never gets its ObjectInfo.
 """
 
 import dataclasses
-from typing import Iterator, List, Optional, Protocol, Tuple, TypeVar
+from typing import Callable, Iterator, List, Optional, Protocol, Tuple, TypeVar
 
 from ma_runtime.errors import Category, ExitCode, RuntimeFailure
 
@@ -148,12 +148,14 @@ class ObjectStore(Protocol):
         """Raises NotFound when there is no such object."""
 
     def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
-                   etag: Optional[str] = None, whole: bool = False) -> int:
+                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None
+                   ) -> int:
         """Writes bytes [start, start+length) of the object at `offset` of the open file `fd` (os.pwrite),
         streaming; returns the byte count. A body shorter than asked raises TransientError. `etag`, when
         given, is the version listed: a read of any other version raises ObjectChanged, so the parts of one
         file all come from one version. `whole`: the range is the whole object as listed (the store may
-        then skip the Range header)."""
+        then skip the Range header). `tap`, when given, is called with every piece of the body, in order,
+        just before it is written (the engine hashes a download's parts as they arrive)."""
 
     def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
         """Uploads a whole file in one request. FileChanged if it ends before the size it had when opened."""

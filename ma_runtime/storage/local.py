@@ -45,7 +45,7 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from ma_runtime.storage.base import (
     CorruptTransfer,
@@ -107,7 +107,8 @@ class LocalStore:
         return ObjectInfo(key, stats.st_size, version_of(stats))
 
     def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
-                   etag: Optional[str] = None, whole: bool = False) -> int:
+                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None
+                   ) -> int:
         try:
             source = os.open(key, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -119,6 +120,8 @@ class LocalStore:
                 chunk = os.pread(source, min(CHUNK, length - done), start + done)
                 if not chunk:
                     raise StorageError(f"{key} is shorter than expected ({start + done} bytes)")
+                if tap is not None:
+                    tap(chunk)
                 os.pwrite(fd, chunk, offset + done)
                 done += len(chunk)
             _check_version(source, key, etag)  # rewritten in place while it was read

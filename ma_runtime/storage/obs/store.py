@@ -13,7 +13,7 @@ import re
 import stat
 import threading
 import time
-from typing import IO, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import IO, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 from obs import CompleteMultipartUploadRequest, CompletePart, ObsClient
@@ -103,7 +103,8 @@ class ObsStore(ObsWire):
         return ObjectInfo(key, int(metadata.contentLength), unquote_etag(metadata.etag))
 
     def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
-                   etag: Optional[str] = None, whole: bool = False) -> int:
+                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None
+                   ) -> int:
         if length <= 0:
             return 0  # "bytes=5-4" is not a range; there is nothing to fetch
         url = object_url(bucket, key)
@@ -125,7 +126,7 @@ class ObsStore(ObsWire):
             if not byte_range and response.length is not None and response.length != length:
                 raise ObjectChanged(f"reading {url}: the object changed after it was listed ({length} bytes when "
                                     f"listed, {response.length} now)")
-            return self._copy_body(response, length, fd, offset, url)
+            return self._copy_body(response, length, fd, offset, url, tap)
         finally:
             self._requests.release(response)
 

@@ -104,8 +104,10 @@ class ObsWire:
             raise TransientError(f"{action} {object_url(bucket, key)}: unreadable answer (HTTP {resp.status})")
         return resp.body
 
-    def _copy_body(self, response: Any, length: int, fd: int, offset: int, url: str) -> int:
-        """Reads the body into this thread's buffer and writes it at `offset` of `fd`, CHUNK at a time."""
+    def _copy_body(self, response: Any, length: int, fd: int, offset: int, url: str,
+                   tap: Optional[Callable[[memoryview], None]] = None) -> int:
+        """Reads the body into this thread's buffer and writes it at `offset` of `fd`, CHUNK at a time, each
+        piece shown to `tap` first (see base.ObjectStore.read_range)."""
         buffer = self._requests.buffer(CHUNK)
         done = 0
         while done < length:
@@ -116,6 +118,8 @@ class ObsWire:
                                      f"({type(exc).__name__}: {one_line(exc)})") from exc
             if not count:
                 raise TransientError(f"reading {url}: body cut short after {done} of {length} bytes")
+            if tap is not None:
+                tap(buffer[:count])
             _pwrite_all(fd, buffer[:count], offset + done)
             done += count
         return done

@@ -1,12 +1,16 @@
-"""MD5s of files: whole (`md5_of`), or followed part by part as a download's parts land (`InOrderHash`)."""
+"""MD5s of files: whole (`md5_of`), followed part by part as a download's parts land (`InOrderHash`), or one per
+part of a multipart upload, as the bytes arrive, to check against its composite ETag (`UploadLayout`, `PartHashes`)."""
 
 import os
+import re
 import threading
-from typing import Optional, Set
+from typing import Callable, List, Optional, Set
 
 from ma_runtime.storage.transfer.options import MiB
 
 HASH_CHUNK = 4 * MiB
+# The ETag S3 and OBS give an object completed from N parts: the MD5 of the parts' MD5s, then "-N".
+_COMPOSITE_ETAG = re.compile(r"(?P<digest>[0-9a-f]{32})-(?P<count>[1-9][0-9]{0,4})\Z")
 
 
 class InOrderHash:
@@ -66,10 +70,10 @@ class InOrderHash:
                 start += len(chunk)
 
 
-def new_md5():
+def new_md5(data: bytes = b""):
     import hashlib
 
-    return hashlib.md5(usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
+    return hashlib.md5(data, usedforsecurity=False)  # an integrity check: allowed on FIPS hosts too
 
 
 def md5_of(fd: int, size: int) -> str:
@@ -83,3 +87,104 @@ def md5_of(fd: int, size: int) -> str:
         digest.update(chunk)
         offset += len(chunk)
     return digest.hexdigest()
+
+
+class UploadLayout:
+    """The parts a composite ETag (`<md5 of the parts' MD5s>-N`) was made from: N parts of `part_size` bytes, the
+    last one shorter. The ETag does not say the part size, so it is inferred from the object's size and N
+    (`infer`): a download is checked part by part only when one part size fits (docs/reference/storage.md)."""
+
+    def __init__(self, digest: str, count: int, part_size: int, size: int):
+        self.digest, self.count, self.part_size, self.size = digest, count, part_size, size
+
+    @classmethod
+    def infer(cls, etag: Optional[str], size: int) -> Optional["UploadLayout"]:
+        """The layout of a composite ETag, or None: not a composite ETag, or no single part size fits."""
+        found = _COMPOSITE_ETAG.match((etag or "").lower())
+        if found is None:
+            return None
+        count = int(found.group("count"))
+        part_size = _upload_part_size(size, count)
+        return None if part_size is None else cls(found.group("digest"), count, part_size, size)
+
+    def bounds(self, index: int):
+        """(start, end) of upload part `index` (0-based)."""
+        start = index * self.part_size
+        return start, min(start + self.part_size, self.size)
+
+
+def _upload_part_size(size: int, count: int) -> Optional[int]:
+    """The part size N parts of `size` bytes were uploaded in: every part but the last has it, the last is not
+    empty and not longer. When one size fits, that one; else when one whole number of MiB fits, that one (boto3,
+    the AWS CLI, the OBS SDK, rclone and this runtime upload in whole MiB). None when several fit (100 MiB in
+    4 parts: 25 to 33 MiB): no guess, since a wrong one would reject a good object."""
+    if count == 1:
+        return size or None
+    if size < count:
+        return None
+    lowest, highest = -(-size // count), (size - 1) // (count - 1)
+    if lowest == highest:
+        return lowest
+    whole = [mib * MiB for mib in range(-(-lowest // MiB), highest // MiB + 1)]
+    return whole[0] if len(whole) == 1 else None
+
+
+class PartHashes:
+    """One MD5 per part of an upload layout, each fed with the part's bytes as they arrive (`tap`), or read from
+    the file for parts a previous run fetched (`hash_file`); `etag()` is then the composite ETag they make."""
+
+    def __init__(self, layout: UploadLayout):
+        self.layout = layout
+        self.digests: List[Optional[bytes]] = [None] * layout.count
+
+    def tap(self, start: int) -> Callable[[memoryview], None]:
+        """What a ranged read starting at `start` (an upload part's first byte) feeds its body to, in order: each
+        upload part's MD5 is kept once its last byte has passed. A read that fails leaves no digest behind, and its
+        retry gets a new tap."""
+        layout = self.layout
+        index = start // layout.part_size
+        if start != layout.bounds(index)[0]:
+            raise ValueError(f"a read at {start} does not start an upload part of {layout.part_size} bytes")
+        state = {"index": index, "digest": new_md5(), "left": _length(layout, index)}
+
+        def feed(data) -> None:
+            view = memoryview(data)
+            while view:
+                take = min(len(view), state["left"])
+                state["digest"].update(view[:take])
+                state["left"] -= take
+                view = view[take:]
+                if state["left"] == 0:
+                    self.digests[state["index"]] = state["digest"].digest()
+                    state["index"] += 1
+                    if state["index"] < layout.count:
+                        state["digest"], state["left"] = new_md5(), _length(layout, state["index"])
+                    elif view:
+                        raise ValueError("bytes past the object's end")
+
+        return feed
+
+    def hash_file(self, fd: int, start: int, end: int) -> None:
+        """The digests of the upload parts in [start, end) of the file: bytes this run did not receive."""
+        tap = self.tap(start)
+        while start < end:
+            chunk = os.pread(fd, min(HASH_CHUNK, end - start), start)
+            if not chunk:
+                return  # the file is short: its size check fails
+            tap(chunk)
+            start += len(chunk)
+
+    def forget(self) -> None:
+        self.digests = [None] * self.layout.count
+
+    def etag(self) -> Optional[str]:
+        """The composite ETag the parts' digests make; None while one is missing."""
+        if any(digest is None for digest in self.digests):
+            return None
+        joined = b"".join(self.digests)  # type: ignore[arg-type]
+        return f"{new_md5(joined).hexdigest()}-{self.layout.count}"
+
+
+def _length(layout: UploadLayout, index: int) -> int:
+    start, end = layout.bounds(index)
+    return end - start

@@ -107,12 +107,14 @@ def open_fresh(path) -> int:
         return os.open(path, flags, 0o666)
 
 
-def verify(fd: int, partial: str, item: Item, digest: Optional[str] = None) -> Optional[Tuple[str, str]]:
+def verify(fd: int, partial: str, item: Item, digest: Optional[str] = None,
+           composite: Optional[str] = None) -> Optional[Tuple[str, str]]:
     """(what, detail) wrong with the partial file about to be renamed into place, or None.
 
-    Read from the file itself (its descriptor): its size, then its MD5 when the ETag is one (`digest`,
-    when given, was read back from it already). The path to be renamed must still be that very file:
-    anything else there would be renamed into place unverified."""
+    Its size read from the file itself (its descriptor); then, when the ETag is an MD5, the file's MD5
+    (`digest`, when given, was read back from it already, else it is read now); when `composite` is given,
+    the ETag the parts' MD5s make (taken as the bytes arrived), compared with the object's. The path to be
+    renamed must still be that very file: anything else there would be renamed into place unverified."""
     stats = os.fstat(fd)
     # The inode alone: overlayfs before Linux 4.19 gives a descriptor the upper layer's st_dev, and the path
     # the overlay's, for one file; a file put in its place in the same folder has another inode either way.
@@ -121,7 +123,10 @@ def verify(fd: int, partial: str, item: Item, digest: Optional[str] = None) -> O
                            hint="something else writes in the runtime's state folder")
     if stats.st_size != item.info.size:
         return "size mismatch", f"{stats.st_size} bytes, expected {item.info.size}"
-    if item.info.md5:
+    if composite is not None:
+        if composite != (item.info.etag or "").lower():
+            return "checksum mismatch", f"the parts make ETag {composite}, expected {item.info.etag}"
+    elif item.info.md5:
         actual = digest or md5_of(fd, stats.st_size)
         if actual != item.info.md5:
             return "checksum mismatch", f"md5 {actual}, expected {item.info.md5}"

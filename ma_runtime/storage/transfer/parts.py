@@ -1,5 +1,6 @@
-"""A large object fetched as ranged parts into one preallocated partial file, resumable by its record, its MD5
-followed as the parts land."""
+"""A large object fetched as ranged parts into one preallocated partial file, resumable by its record, and
+checked without a pass of its own: a multipart upload's object (a composite ETag) part by part as the bytes
+arrive, in every worker at once; an object whose ETag is its MD5 by one MD5 followed in order as the parts land."""
 
 import errno
 import os
@@ -8,7 +9,7 @@ import threading
 from typing import Dict, Optional, Set
 
 from ma_runtime.storage.base import TransientError
-from ma_runtime.storage.transfer.hashing import InOrderHash
+from ma_runtime.storage.transfer.hashing import InOrderHash, PartHashes, UploadLayout, md5_of, new_md5
 from ma_runtime.storage.transfer.journal import valid_download
 from ma_runtime.storage.transfer.options import MiB, TransferOptions
 from ma_runtime.storage.transfer.partial import Item, corrupt, open_fresh, verify
@@ -27,9 +28,13 @@ class LargeFile:
 
         self.fetcher = fetcher
         self.item = item
-        self.part_size = _part_size(fetcher.options, item.info.size)
+        # A composite ETag's parts, when their size can be told: then each ranged read covers whole upload parts,
+        # and hashes them as they arrive.
+        self.layout = UploadLayout.infer(item.info.etag, item.info.size)
+        self.part_size = _part_size(fetcher.options, item.info.size, self.layout)
         self.parts = -(-item.info.size // self.part_size)
         self.hasher: Optional[InOrderHash] = None
+        self.part_hashes = PartHashes(self.layout) if self.layout and self.layout.count > 1 else None
         self.partial = fetcher.staging.path(item.target)
         self.record_path = fetcher.options.state_dir / f"{name_digest(item.url, item.target)}.download.json"
         self.outcome = Future()
@@ -49,9 +54,17 @@ class LargeFile:
         return self.outcome
 
     def _start_hasher(self) -> None:
-        """MD5 in part order while later parts download: no serial pass over the file at the end. It reads
-        the parts back from the file, so it checks what is on disk, not what was sent."""
-        if not self.item.info.md5:
+        """A composite ETag's part MD5s are taken as the bytes arrive (`_read_part`); those of the parts a
+        previous run fetched are read from the file here. An object whose ETag is its MD5 (or an MD5's MD5, a
+        one-part upload's) has one MD5 in byte order, followed while later parts download: it reads the parts
+        back from the page cache, one thread, which bounds a download at MD5's rate on one core."""
+        if self.part_hashes is not None:
+            self.part_hashes.forget()
+            for index in sorted(self.done):
+                start = index * self.part_size
+                self.part_hashes.hash_file(self.fd, start, start + self._length(index))
+            return
+        if not (self.item.info.md5 or self.layout):
             return
         self.hasher = InOrderHash(self.fd, self.part_size, self.parts, self.item.info.size)
         for index in self.done:
@@ -141,14 +154,15 @@ class LargeFile:
 
     def _read_part(self, index: int) -> None:
         start, length = index * self.part_size, self._length(index)
+        # A retried read gets a new tap: the digests of a read cut short are replaced by its retry's.
+        tap = {"tap": self.part_hashes.tap(start)} if self.part_hashes is not None else {}
         written = self.fetcher.store.read_range(self.fetcher.bucket, self.item.info.key, start, length, self.fd,
-                                                start, etag=self.item.info.etag)
+                                                start, etag=self.item.info.etag, **tap)
         if written != length:
             raise TransientError(f"{self.item.url}: {written} of {length} bytes at offset {start}")
 
     def _finish(self) -> None:
-        digest = self.hasher.result() if self.hasher is not None else None
-        problem = verify(self.fd, self.partial, self.item, digest)
+        problem = verify(self.fd, self.partial, self.item, *self._digests())
         self.close()
         if problem is None:
             os.replace(self.partial, self.item.target)
@@ -161,6 +175,8 @@ class LargeFile:
         remove(self.record_path)
         remove(self.partial)
         self.done = set()
+        if self.part_hashes is not None:
+            self.part_hashes.forget()
         if self.retried:
             raise corrupt(self.item, problem)
         self.retried = True
@@ -168,6 +184,17 @@ class LargeFile:
         self._begin()
         self._start_hasher()
         self._submit_missing()
+
+
+    def _digests(self):
+        """(the MD5 followed in order, the composite ETag the bytes make): what `verify` compares."""
+        digest = self.hasher.result() if self.hasher is not None else None
+        if self.part_hashes is not None:
+            return None, self.part_hashes.etag() or "(a part not hashed)"
+        if self.layout is not None:  # one part: the ETag is the MD5 of the object's MD5
+            whole = digest or md5_of(self.fd, self.item.info.size)
+            return None, f"{new_md5(bytes.fromhex(whole)).hexdigest()}-1"
+        return digest, None
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -182,7 +209,11 @@ def _preallocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)  # a filesystem without fallocate: a sparse file does
 
 
-def _part_size(options: "TransferOptions", size: int) -> int:
-    """The configured part size, smaller for objects that would otherwise leave workers idle."""
+def _part_size(options: "TransferOptions", size: int, layout: Optional[UploadLayout] = None) -> int:
+    """The configured part size, smaller for objects that would otherwise leave workers idle; for an object
+    checked part by part, the whole number of its upload parts nearest that (one at least)."""
     per_worker = -(-size // options.workers)
-    return min(options.part_size, max(MIN_PART, per_worker))
+    wanted = min(options.part_size, max(MIN_PART, per_worker))
+    if layout is None or layout.count == 1:
+        return wanted
+    return max(1, round(wanted / layout.part_size)) * layout.part_size

@@ -1,0 +1,284 @@
+"""How a download is checked (docs/reference/storage.md, "Downloads: how a file is checked"): an object of a
+multipart upload part by part against its composite ETag, as the bytes arrive and never by reading the file back;
+an object whose ETag is its MD5 by that MD5; and the part layout a composite ETag was made from, inferred.
+
+Objects are multipart uploads to moto (boto3, 5 MiB parts: moto's ETag is S3's `<md5 of the part MD5s>-N`). A
+corruption at rest is made in moto's own storage (the bytes change, the ETag stays); reads of the partial file
+are seen by the kernel (inotify IN_ACCESS on the staging folder), not by wrapping our code.
+"""
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import random
+import struct
+
+import pytest
+
+from ma_runtime import spec as job_spec
+from ma_runtime.storage import transfer
+from ma_runtime.storage import url as storage_url
+from ma_runtime.storage.base import CorruptTransfer
+from ma_runtime.storage.stores import open_store
+from ma_runtime.storage.transfer.hashing import PartHashes, UploadLayout
+from tests.recording import Log, Wrapper
+
+MiB = 1 << 20
+UPLOAD_PART = 5 * MiB  # S3's (and moto's) smallest part
+
+
+def options(tmp_path, **changes):
+    values = {"workers": 8, "part_size": 4 * MiB, "large_threshold": 8 * MiB, "retry_seconds": 5.0,
+              "progress_seconds": 0, "state_dir": tmp_path / "state"}
+    values.update(changes)
+    return transfer.TransferOptions(**values)
+
+
+def composite_etag(data: bytes, part_size: int) -> str:
+    digests = b"".join(hashlib.md5(data[at:at + part_size]).digest() for at in range(0, len(data), part_size))
+    return f"{hashlib.md5(digests).hexdigest()}-{-(-len(data) // part_size)}"
+
+
+def upload_in_parts(endpoint, bucket: str, key: str, data: bytes, part_size: int = UPLOAD_PART) -> str:
+    s3 = endpoint.s3
+    upload_id = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    parts = []
+    for number, at in enumerate(range(0, len(data), part_size), start=1):
+        answer = s3.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                Body=data[at:at + part_size])
+        parts.append({"PartNumber": number, "ETag": answer["ETag"]})
+    s3.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+    return s3.head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+
+
+def corrupt_at_rest(bucket: str, key: str, offset: int) -> None:
+    """Flips one byte of the object in moto's storage; its ETag stays what the upload made."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    stored = s3_backends[DEFAULT_ACCOUNT_ID]["global"].buckets[bucket].keys[key]
+    buffer = stored._value_buffer
+    buffer.seek(offset)
+    byte = buffer.read(1)
+    buffer.seek(offset)
+    buffer.write(bytes([byte[0] ^ 0xFF]))
+
+
+class FileReads:
+    """The reads of files in a folder, as the kernel reports them (inotify IN_ACCESS: read, pread, readv)."""
+
+    IN_ACCESS = 0x1
+
+    def __init__(self, folder):
+        self.libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        folder.mkdir(parents=True, exist_ok=True)
+        assert self.libc.inotify_add_watch(self.fd, os.fsencode(folder), self.IN_ACCESS) >= 0
+
+    def count(self) -> int:
+        events = 0
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return events
+            at = 0
+            while at < len(data):
+                _wd, _mask, _cookie, length = struct.unpack_from("iIII", data, at)
+                events += 1
+                at += 16 + length
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@pytest.fixture
+def bucket_store(obs_endpoint, tmp_path):
+    bucket = obs_endpoint.new_bucket()
+    env = {**obs_endpoint.env("v4"), "MA_HOME": str(tmp_path / "home")}
+    store = open_store(storage_url.parse(f"obs://{bucket}/x"), job_spec.load({}, env), env)
+    return bucket, store
+
+
+def data_of(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+# --------------------------------------------------------------------------- the layout a composite ETag has
+
+
+@pytest.mark.parametrize("size, count, part_size", [
+    (512 * MiB, 32, 16 * MiB),  # 16 to 16.5 MiB fit: one whole MiB
+    (512 * MiB, 16, None),  # 32 to 34 MiB
+    (17 * MiB, 4, 5 * MiB),
+    (64 * MiB, 8, None),  # 8 and 9 MiB parts both make 8 parts (the OBS SDK's 9 MiB): no guess
+    (100 * MiB, 4, None),  # 25 to 33 MiB
+    (10, 4, 3),  # only one size fits at all
+    (12345, 3, None),
+    (7 * MiB, 1, 7 * MiB),
+    (5, 9, None),  # fewer bytes than parts
+])
+def test_the_part_size_is_inferred_only_when_one_fits(size, count, part_size):
+    layout = UploadLayout.infer(f"{'a' * 32}-{count}", size)
+    assert (layout.part_size if layout else None) == part_size
+
+
+@pytest.mark.parametrize("etag", [None, "", "0" * 32, "zz" * 16 + "-2", "a" * 32 + "-0", "a" * 31 + "-2"])
+def test_only_a_composite_etag_has_a_layout(etag):
+    assert UploadLayout.infer(etag, 20 * MiB) is None
+
+
+def test_part_hashes_make_the_composite_etag_whatever_the_pieces():
+    data = data_of(3 * 1000 + 17, seed=1)
+    layout = UploadLayout(composite_etag(data, 1000).split("-")[0], 4, 1000, len(data))
+    hashes = PartHashes(layout)
+    # Two reads of two upload parts each, fed in odd pieces that straddle the parts' bounds.
+    for start in (0, 2000):
+        tap = hashes.tap(start)
+        end = min(start + 2000, len(data))
+        at = start
+        for piece in (1, 999, 1500, 7):
+            tap(data[at:min(at + piece, end)])
+            at = min(at + piece, end)
+        tap(data[at:end])
+    assert hashes.etag() == composite_etag(data, 1000)
+    with pytest.raises(ValueError):
+        hashes.tap(1500)  # not the start of an upload part
+
+
+# --------------------------------------------------------------------------- downloads
+
+
+def test_a_multipart_object_is_checked_part_by_part_and_never_read_back(bucket_store, tmp_path, obs_endpoint):
+    bucket, store = bucket_store
+    data = data_of(4 * UPLOAD_PART + 3 * MiB, seed=2)
+    etag = upload_in_parts(obs_endpoint, bucket, "big.bin", data)
+    assert etag == composite_etag(data, UPLOAD_PART)  # the server's ETag is S3's composite one
+    reads = FileReads(tmp_path / "state" / "partial")
+    log = Log()
+    try:
+        transfer.download(store, storage_url.parse(f"obs://{bucket}/big.bin"), tmp_path / "out.bin",
+                          options(tmp_path), log)
+        assert reads.count() == 0  # the partial file was written, never read
+    finally:
+        reads.close()
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_the_reads_of_the_file_are_seen_when_the_etag_is_an_md5(bucket_store, tmp_path, obs_endpoint):
+    """The observation above can see reads: an object whose ETag is its MD5 is hashed in order from the file."""
+    bucket, store = bucket_store
+    data = data_of(12 * MiB, seed=3)
+    obs_endpoint.put(bucket, "single.bin", data)
+    reads = FileReads(tmp_path / "state" / "partial")
+    try:
+        transfer.download(store, storage_url.parse(f"obs://{bucket}/single.bin"), tmp_path / "out.bin",
+                          options(tmp_path), Log())
+        assert reads.count() > 0
+    finally:
+        reads.close()
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_a_multipart_object_whose_part_is_corrupt_is_rejected_and_nothing_stays(bucket_store, tmp_path, obs_endpoint):
+    bucket, store = bucket_store
+    data = data_of(4 * UPLOAD_PART + 3 * MiB, seed=4)
+    upload_in_parts(obs_endpoint, bucket, "big.bin", data)
+    corrupt_at_rest(bucket, "big.bin", 2 * UPLOAD_PART + 12345)  # inside the third upload part
+    log = Log()
+
+    with pytest.raises(CorruptTransfer, match="checksum mismatch after retry"):
+        transfer.download(store, storage_url.parse(f"obs://{bucket}/big.bin"), tmp_path / "out.bin",
+                          options(tmp_path), log)
+
+    assert "download verification failed, fetching again" in log.events("warning")
+    assert not (tmp_path / "out.bin").exists()
+    assert not list((tmp_path / "state" / "partial").iterdir())
+    assert not list((tmp_path / "state").glob("*.download.json"))
+
+
+class CorruptInTransit(Wrapper):
+    """The network between the store and us: flips the first byte of the first `times` bodies of `key`."""
+
+    def __init__(self, store, key, times):
+        super().__init__(store)
+        self.key, self.times = key, times
+
+    def read_range(self, bucket, key, start, length, fd, offset, tap=None, **kwargs):
+        with self.lock:
+            corrupt = key == self.key and self.times > 0
+            self.times -= corrupt
+        if not corrupt:
+            return self.inner.read_range(bucket, key, start, length, fd, offset, tap=tap, **kwargs)
+        received = os.memfd_create("body")
+        try:
+            count = self.inner.read_range(bucket, key, start, length, received, 0, **kwargs)
+            body = bytearray(os.pread(received, count, 0))
+        finally:
+            os.close(received)
+        body[0] ^= 0xFF
+        if tap is not None:
+            tap(memoryview(body))
+        os.pwrite(fd, body, offset)
+        return count
+
+
+def test_a_part_corrupt_in_transit_is_fetched_again(bucket_store, tmp_path, obs_endpoint):
+    bucket, store = bucket_store
+    data = data_of(3 * UPLOAD_PART + 3 * MiB, seed=5)
+    etag = upload_in_parts(obs_endpoint, bucket, "big.bin", data)
+    assert UploadLayout.infer(etag, len(data)).part_size == UPLOAD_PART
+    log = Log()
+
+    transfer.download(CorruptInTransit(store, "big.bin", times=1), storage_url.parse(f"obs://{bucket}/big.bin"),
+                      tmp_path / "out.bin", options(tmp_path), log)
+
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert [f["problem"] for f in log.fields("download verification failed, fetching again")] == ["checksum mismatch"]
+
+
+def test_a_composite_etag_whose_layout_cannot_be_told_is_checked_by_size(bucket_store, tmp_path, obs_endpoint):
+    """13 MiB in 2 parts of 7 MiB: any part size from 7 to 12 MiB makes 2 parts, so none is guessed, and the
+    download is checked by its size, as before (a guess of 8 MiB would have rejected a good object)."""
+    bucket, store = bucket_store
+    data = data_of(13 * MiB, seed=6)
+    etag = upload_in_parts(obs_endpoint, bucket, "odd.bin", data, part_size=7 * MiB)
+    assert UploadLayout.infer(etag, len(data)) is None
+    log = Log()
+
+    transfer.download(store, storage_url.parse(f"obs://{bucket}/odd.bin"), tmp_path / "out.bin",
+                      options(tmp_path), log)
+
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+def test_a_resumed_multipart_object_hashes_the_parts_of_the_earlier_run(bucket_store, tmp_path, obs_endpoint):
+    bucket, store = bucket_store
+    data = data_of(4 * UPLOAD_PART + 3 * MiB, seed=7)
+    etag = upload_in_parts(obs_endpoint, bucket, "big.bin", data)
+    assert UploadLayout.infer(etag, len(data)).part_size == UPLOAD_PART
+    location = storage_url.parse(f"obs://{bucket}/big.bin")
+
+    class StopAfter(Wrapper):
+        def __init__(self, store):
+            super().__init__(store)
+            self.allowed = 2
+
+        def read_range(self, *args, **kwargs):
+            with self.lock:
+                self.allowed -= 1
+                if self.allowed < 0:
+                    raise CorruptTransfer("injected stop")
+            return self.inner.read_range(*args, **kwargs)
+
+    with pytest.raises(CorruptTransfer, match="injected stop"):
+        transfer.download(StopAfter(store), location, tmp_path / "out.bin", options(tmp_path, workers=1), Log())
+    log = Log()
+    transfer.download(store, location, tmp_path / "out.bin", options(tmp_path, workers=1), log)
+
+    assert log.fields("download resumed")[0]["parts_done"] == 2
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
