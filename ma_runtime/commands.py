@@ -58,7 +58,7 @@ def plan_command(flags: Mapping[str, str], config_file: Optional[str], command: 
         staged = stagein.planned(spec)
         argv = build_argv(command, [*staged.arguments, *spec.hyperparameters])
         context = plan_module.Context(argv, os.environ, ranktable.peek(spec, os.environ), _resolve_once,
-                                      attempt=spec.proc_start_cnt)
+                                      attempt=spec.proc_start_cnt, planning=True)
         plan = plan_module.build(spec, context)
     except RuntimeFailure as failure:
         return _tool_failure(log, failure)

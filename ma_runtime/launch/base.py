@@ -19,7 +19,7 @@ import shlex
 import shutil
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
-from ma_runtime.errors import ConfigError
+from ma_runtime.errors import ConfigError, RuntimeFailure
 
 # `python`, `python3`, `python3.11`: a command that names an interpreter.
 PYTHON = re.compile(r"python(\d+(\.\d+)?)?\Z")
@@ -80,6 +80,10 @@ class Context:
     reach: Callable[[Sequence[Tuple[str, int]]], List[str]] = lambda endpoints: [host for host, _ in endpoints]
     # The names the runtime's stages set or changed for the workers: the hooks' exports, stage-in's variables.
     exported: Tuple[str, ...] = ()
+    # `ma-runtime plan`: nothing is started, so a launcher that is not installed is a warning (in `warnings`), not
+    # the run's error; the plan shows the launcher's bare name where its path would be.
+    planning: bool = False
+    warnings: List[str] = dataclasses.field(default_factory=list)
 
 
 class RootCause(NamedTuple):
@@ -120,9 +124,17 @@ def find_launcher(context: Context, name: str, package: str) -> str:
     found = (folder and context.which(name, folder)) or context.which(name, context.environ.get("PATH"))
     if not found:
         where = f"not in {folder} beside {context.argv[0]}, not on PATH" if folder else "not on PATH"
-        raise ConfigError(f"MA_RUN_METHOD={name}, but {name} is not installed ({where})",
-                          hint=f"install it in the image: {package}")
+        return launcher_missing(context, name, ConfigError(f"MA_RUN_METHOD={name}, but {name} is not installed "
+                                                           f"({where})", hint=f"install it in the image: {package}"))
     return found
+
+
+def launcher_missing(context: Context, name: str, failure: RuntimeFailure) -> str:
+    """A run stops on `failure`; a plan records it as a warning and goes on with the launcher's bare name."""
+    if not context.planning:
+        raise failure
+    context.warnings.append(f"{failure}; the run would stop here with exit {int(failure.exit_code)} ({failure.hint})")
+    return name
 
 
 def python_folder(context: Context) -> Optional[str]:

@@ -68,7 +68,8 @@ def build(spec, context: Context) -> Plan:
         plan = dataclasses.replace(plan, node=plan.node or role.role(spec))
         plan = _with_job_variables(plan, launcher.job_variables(spec, context, plan).env(), context.environ)
     rejection = _preflight_rejection(spec, context, plan)
-    return dataclasses.replace(plan, warnings=(rejection,)) if rejection else plan
+    # What the launcher's build found wrong while planning (a launcher not installed), then preflight's certain failure.
+    return dataclasses.replace(plan, warnings=(*context.warnings, *([rejection] if rejection else [])))
 
 
 def _with_job_variables(plan: Plan, variables: Mapping[str, str], environ: Mapping[str, str]) -> Plan:

@@ -39,6 +39,7 @@ from ma_runtime.launch.base import (
     WorkerPlan,
     check_once_per_node,
     common_env,
+    launcher_missing,
     python_folder,
     split_extra,
 )
@@ -78,7 +79,10 @@ class Ray(Launcher):
 
     def build(self, spec, context: Context, why: str) -> Plan:
         check_once_per_node(spec, why, "Ray's own workers run the job's tasks")
-        ray = find_ray(context.argv, context.environ, context.which)
+        try:
+            ray = find_ray(context.argv, context.environ, context.which)
+        except CommandNotFound as missing:
+            ray = launcher_missing(context, "ray", missing)
         service = node_service(spec, context.environ, ray)
         if not role(spec).is_master:
             return Plan(self.NAME, why, (_watcher(spec, context),), spec.num_hosts, 1, services=(service,))

@@ -118,3 +118,14 @@ def test_a_variable_with_the_runtime_s_prefix_that_nothing_reads_is_one_warning(
 def test_the_runtime_s_own_variables_are_no_warning(job_env):
     result = run_ma(["true"], {**job_env, "MA_RUNTIME_MAX_RESTARTS": "2", "MA_RUNTIME_TESTS_STRICT": "1"})
     assert result.returncode == 0 and "unknown variable" not in result.stderr
+
+
+def test_plan_shows_the_plan_when_the_launcher_is_not_installed(job_env):
+    # plan starts nothing: a launcher missing where the run would look is a warning, and the plan is still shown.
+    env = {**job_env, "MA_RUN_METHOD": "msrun", "PATH": "/usr/bin:/bin"}
+    result = run([MA_RUNTIME, "plan", "--", "python3", "train.py"], env)
+    assert result.returncode == 0, result.stderr
+    assert "warning: MA_RUN_METHOD=msrun, but msrun is not installed" in result.stdout
+    assert "the run would stop here with exit 78" in result.stdout
+    assert "[" in result.stdout and "msrun" in result.stdout.split("warning:", 1)[1]  # the worker's line follows
+    assert run_ma(["python3", "train.py"], env).returncode == 78  # the run itself still refuses

@@ -1065,6 +1065,22 @@ def test_a_launcher_found_nowhere_names_both_places(job, launcher):
     assert "/opt/venv/bin" in caught.value.reason and "PATH" in caught.value.reason
 
 
+@pytest.mark.parametrize("launcher, variables, code", [
+    ("torchrun", {}, 78), ("msrun", {}, 78), ("mpirun", {"MA_NUM_HOSTS": 2, "VC_WORKER_HOSTS": "a.job,b.job"}, 78),
+    ("ray", {}, 127),
+])
+def test_a_plan_shows_a_launcher_found_nowhere_as_a_warning(job, launcher, variables, code):
+    # `ma-runtime plan` starts nothing: the plan is made, with the run's error as a warning and the bare name.
+    job_spec, environ = job(MA_RUN_METHOD=launcher, **variables)
+    context = plan.Context(["/opt/venv/bin/python", "train.py"], environ, None, no_lookup, which_in({}),
+                           planning=True)
+    made = plan.build(job_spec, context)
+    assert [w for w in made.warnings if f"{launcher} is not installed" in w and f"exit {code}" in w], made.warnings
+    argvs = [word for worker in made.workers for word in worker.argv] + \
+            [word for service in made.services for word in service.argv]
+    assert launcher in argvs
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "msrun"])
 def test_default_which_finds_the_launcher_beside_an_interpreter_off_path(job, tmp_path, launcher):
     venv = tmp_path / "venv" / "bin"
