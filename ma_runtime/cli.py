@@ -248,6 +248,9 @@ def _preflight_parser(prog: str) -> "argparse.ArgumentParser":
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument("--only", metavar="CHECKS", type=_check_names, default=(), help="comma list: run only these")
     parser.add_argument("--skip", metavar="CHECKS", type=_check_names, default=(), help="comma list: skip these")
+    parser.add_argument("--log-results", action="store_true",
+                        help="also log each result as a line on stderr when stdout is a terminal (it is logged "
+                             "whenever stdout is not one)")
     return parser
 
 
@@ -264,7 +267,8 @@ def preflight_main(argv: Sequence[str], prog: str) -> int:
     options = _preflight_parser(prog).parse_args(list(argv))
     from ma_runtime import commands
 
-    return commands.preflight_command(options.config, options.only, options.skip, options.json)
+    return commands.preflight_command(options.config, options.only, options.skip, options.json,
+                                      options.log_results)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -19,8 +19,11 @@ from ma_runtime.util import logs
 from ma_runtime.util.redact import Masker
 
 
-def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Sequence[str], as_json: bool) -> int:
-    """`ma-preflight`: the checks alone, for operators; the report on stdout."""
+def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Sequence[str], as_json: bool,
+                      log_results: bool = False) -> int:
+    """`ma-preflight`: the checks alone, for operators; the report on stdout. Each result is also a log line on
+    stderr, for log collectors, unless stdout is a terminal (a person reads the report there, once) and
+    `--log-results` was not given."""
     from ma_runtime.stages.preflight import runner
 
     masker = Masker.from_environ()
@@ -34,7 +37,8 @@ def preflight_command(config_file: Optional[str], only: Sequence[str], skip: Seq
     spec_module.warn_unknown_variables(log, os.environ)
     if spec.skip_image_detect == "0":
         log.info("MA_SKIP_IMAGE_DETECT=0 turns preflight off in ma-runtime run; running it because it was asked for")
-    report = runner.run(spec, os.environ, runner.select(spec.preflight_checks, only, skip), log)
+    log_results = log_results or not _is_terminal(sys.stdout)
+    report = runner.run(spec, os.environ, runner.select(spec.preflight_checks, only, skip), log, log_results)
     if as_json:
         sys.stdout.write(json.dumps(masker.data(report.to_dict()), indent=2, default=str) + "\n")
     else:
@@ -118,6 +122,13 @@ def ranktable_convert_command(source_text: str, output: Optional[str]) -> int:
     except RuntimeFailure as failure:
         return _tool_failure(log, failure)
     return ExitCode.OK
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed, or replaced by something that is no file
+        return False
+
 
 def _tool_setup():
     """Logging and the job settings for an operator's tool; (log, None) after a bad-configuration line."""

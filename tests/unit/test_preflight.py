@@ -78,6 +78,45 @@ def test_human_table_without_json(disks):
     assert lines[-1] == "preflight FAILED: disk-size(shm)"
 
 
+def on_a_terminal(args, env):
+    """ma-preflight with stdout on a pseudo-terminal, as a person runs it: (exit code, what the terminal showed,
+    stderr)."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        proc = subprocess.Popen([MA_PREFLIGHT, *args], env=env, stdout=terminal, stderr=subprocess.PIPE, text=True)
+        os.close(terminal)
+        stderr = proc.communicate(timeout=60)[1]
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the terminal's last writer is gone
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(controller)
+    return proc.returncode, shown.decode(), stderr
+
+
+@pytest.mark.parametrize("args, logged", [([], False), (["--json"], False), (["--log-results"], True)])
+def test_on_a_terminal_each_result_is_shown_once_unless_the_log_lines_are_asked_for(disks, args, logged):
+    code, shown, stderr = on_a_terminal(["--only", "disk-size", *args], disks)
+    assert code == 79
+    assert "shm" in shown  # the report, on the terminal
+    item_lines = [line for line in stderr.splitlines() if 'msg="preflight check"' in line]
+    assert len(item_lines) == (3 if logged else 0), stderr
+    assert "preflight failed" in stderr  # the summary and the reason for the exit code stay
+
+
+def test_piped_each_result_is_a_log_line_for_collectors(disks):
+    result = preflight(["--only", "disk-size"], disks)  # stdout is a pipe here
+    assert len([line for line in result.stderr.splitlines() if 'msg="preflight check"' in line]) == 3
+
+
 # Each target's fix: shm is memory sized by the container, cache the flavour's local disk, root the node's disk.
 TARGET_FIXES = {
     "root": ("a node with a larger disk", "MA_RUNTIME_PREFLIGHT_ROOT_MIN_GB"),
