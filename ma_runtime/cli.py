@@ -62,6 +62,11 @@ exit codes of the runtime itself:
 
 every option can also be set by its environment variable (shown as the
 metavar) or by the same key in the job file; flags > env > file > defaults.
+the options above are the common ones: every setting (OBS stage-in and
+sync: MA_RUNTIME_CODE_URL, MA_RUNTIME_LOG_URL, the job file's inputs and
+outputs, the credentials; hang detection, hooks, each launcher's own) is in
+docs/reference/settings.md; `ma-runtime plan -- CMD` shows what a run
+would start.
 """
 
 

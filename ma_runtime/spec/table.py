@@ -202,8 +202,7 @@ SETTINGS: Tuple[Setting, ...] = (
             "table's status=completed, seconds", 1800.0, cli=False),
     Setting("run_method", "MA_RUN_METHOD", choice(launch_registry.METHODS), "launch method: "
             "torchrun, msrun, mpirun, ray, pytorch-gpu, tensorflow-gpu, rtf (one process per NPU) or plain (once); "
-            "unset: rtf on NPU jobs, else plain",
-            cli=False),
+            "unset: rtf on NPU jobs, else plain"),
     Setting("worker_hosts", "VC_WORKER_HOSTS", text, "the job's node domain names, comma-separated, worker-0 first",
             "", cli=False),
     # Each launcher's own (launch/<method>.py, `SETTINGS`), in launch.registry.METHODS order.

@@ -37,7 +37,8 @@ def test_help_on_each_command(job_env, argv):
 
 def test_ma_run_help_documents_variables_and_exit_codes(job_env):
     text = run([MA_RUN, "--help"], job_env).stdout
-    for name in ("MA_NUM_GPUS", "VC_TASK_INDEX", "MA_RUNTIME_STOP_GRACE_SECONDS", "MA_RUNTIME_CONFIG"):
+    for name in ("MA_NUM_GPUS", "VC_TASK_INDEX", "MA_RUNTIME_STOP_GRACE_SECONDS", "MA_RUNTIME_CONFIG",
+                 "--run-method MA_RUN_METHOD", "MA_RUNTIME_CODE_URL", "docs/reference/settings.md"):
         assert name in text
     for code in ("78  bad configuration", "79  preflight failed", "127  command not found"):
         assert code in text
