@@ -12,8 +12,16 @@
 #    the entrypoint shim and install-runtime.sh, nothing else of the checkout. BUILD OPTIONS go to the engine
 #    as they are: --build-arg BASE_IMAGE=..., --pull=never, --network host, --platform linux/arm64.
 #
+# Before either, the base image (BASE_IMAGE: --build-arg BASE_IMAGE=..., else the Dockerfile's default) must be
+# here or pullable: a base that is neither fails in seconds, not after the wheelhouse. The CPU image with its
+# default base, which is not here, uses local/debian:bookworm when that is here (scripts/test.sh makes it with
+# debootstrap, for machines that reach no registry). Each step says what it does on stderr.
+#
 # Variables: TAG (default ma-runtime:<flavour>-<version>), ENGINE, PYTHON (the Python whose pip builds the
-# wheelhouse, default python3), OFFLINE, TARGET_PYTHON and TARGET_ARCH (defaults: the flavour's base image).
+# wheelhouse, default python3), OFFLINE, TARGET_PYTHON and TARGET_ARCH (defaults: the flavour's base image),
+# PULL_SECONDS (how long the base may take to pull, default 60).
+# Exit codes: 78 a bad argument, 125 the base image is not here and cannot be pulled, 127 no podman or docker;
+# else the failing step's own.
 set -euo pipefail
 
 usage="usage: docker/build.sh cpu|cuda|ascend [BUILD OPTIONS...]"
@@ -39,6 +47,50 @@ if [ -z "$ENGINE" ]; then
 fi
 version=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$repo/ma_runtime/__init__.py")
 TAG=${TAG:-ma-runtime:$flavour-$version}
+PULL_SECONDS=${PULL_SECONDS:-60}
+LOCAL_DEBIAN=local/debian:bookworm
+started=$SECONDS
+step() {  # what the build does now, and how long it has taken so far
+    printf 'docker/build.sh: [%s] %s (%ss so far)\n' "$1" "$2" "$((SECONDS - started))" >&2
+}
+
+# The base image the build would use: --build-arg BASE_IMAGE=... (either form) wins over the Dockerfile's ARG.
+base=$(sed -n 's/^ARG BASE_IMAGE=//p' "$repo/docker/$flavour.Dockerfile")
+base_given=0 pull_never=0
+previous=
+for word in "$@"; do
+    case $word in
+        BASE_IMAGE=*) [ "$previous" = --build-arg ] && base=${word#BASE_IMAGE=} base_given=1 ;;
+        --build-arg=BASE_IMAGE=*) base=${word#--build-arg=BASE_IMAGE=} base_given=1 ;;
+        --pull=never) pull_never=1 ;;
+        never) [ "$previous" = --pull ] && pull_never=1 ;;
+    esac
+    previous=$word
+done
+image_here() {
+    if [ "$(basename "$ENGINE")" = podman ]; then "$ENGINE" image exists "$1"; else "$ENGINE" image inspect "$1" >/dev/null 2>&1; fi
+}
+if [ "$flavour" = cpu ] && [ "$base_given" = 0 ] && ! image_here "$base" && image_here "$LOCAL_DEBIAN"; then
+    step "base" "$base is not here; using $LOCAL_DEBIAN (made by scripts/test.sh) with --pull=never"
+    set -- "$@" --build-arg "BASE_IMAGE=$LOCAL_DEBIAN" --pull=never
+    base=$LOCAL_DEBIAN pull_never=1
+fi
+if image_here "$base"; then
+    step "base" "$base is here"
+elif [ "$pull_never" = 1 ]; then
+    echo "docker/build.sh: the base image $base is not here and --pull=never forbids pulling it: build or load it" \
+         "first, or name one that is here with --build-arg BASE_IMAGE=IMAGE" >&2
+    exit 125
+else
+    step "base" "$base is not here: pulling it (at most ${PULL_SECONDS}s: PULL_SECONDS)"
+    if ! timeout "$PULL_SECONDS" "$ENGINE" pull -q "$base" >/dev/null 2>&1; then
+        hint="give one that is here: --build-arg BASE_IMAGE=IMAGE --pull=never"
+        [ "$flavour" = cpu ] && hint="$hint (bash scripts/test.sh makes $LOCAL_DEBIAN, which this script then uses)"
+        echo "docker/build.sh: cannot pull the base image $base (no registry answered within ${PULL_SECONDS}s," \
+             "or it refused): $hint" >&2
+        exit 125
+    fi
+fi
 
 context=$(mktemp -d)
 trap 'rm -rf "$context"' EXIT
@@ -62,11 +114,13 @@ EOF
 }
 
 # From a copy: an in-tree build would write build/ and *.egg-info into the checkout.
+step "1/3" "the runtime's wheel, from this checkout"
 mkdir "$context/src"
 tar -C "$repo" --exclude=__pycache__ -c pyproject.toml README.md ma_runtime | tar -C "$context/src" -x
 pip wheel --no-deps -w "$wheels" "$context/src"
 rm -r "$context/src"
 if [ "$OFFLINE" = 1 ]; then
+    step "2/3" "its dependencies' wheels for Python $TARGET_PYTHON on $TARGET_ARCH, from the package index (the slow step; OFFLINE=0 leaves them to the build)"
     requirements >"$context/requirements.txt"
     # --no-cache-dir: pip's wheel cache may hold a crcmod compiled for this machine.
     CC=false pip wheel --no-cache-dir -w "$wheels" -r "$context/requirements.txt"
@@ -81,7 +135,8 @@ install -m 0755 "$repo/docker/install-runtime.sh" "$context/install-runtime.sh"
 
 source_url=$(git -C "$repo" remote get-url origin 2>/dev/null || true)
 revision=$(git -C "$repo" rev-parse HEAD 2>/dev/null || true)
+step "3/3" "building $TAG with $(basename "$ENGINE") FROM $base"
 "$ENGINE" build -f "$repo/docker/$flavour.Dockerfile" -t "$TAG" \
     --build-arg "VERSION=$version" --build-arg "SOURCE_URL=$source_url" --build-arg "REVISION=$revision" \
     --build-arg "WHEELS_ONLY=$OFFLINE" "$@" "$context"
-echo "built $TAG"
+echo "built $TAG in $((SECONDS - started))s"

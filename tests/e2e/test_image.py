@@ -308,3 +308,45 @@ def test_requirements_and_the_pre_start_hook_work_in_the_image_as_ma_user(image,
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "installed from the local wheel | hook ran as 1000 | /opt/job-venv" in proc.stdout
     assert "[pip] Successfully installed matinyimage-1.0" in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- build.sh's base image
+
+
+def build_script(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "docker" / "build.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+
+
+@pytest.mark.parametrize("pull", [[], ["--pull=never"]])
+def test_a_base_image_neither_here_nor_pullable_fails_before_the_wheelhouse_naming_it(pull):
+    why = why_no_podman()
+    if why:
+        pytest.skip(why)
+    # A registry on this machine's loopback that nothing serves: the pull is refused at once (no registry is
+    # reachable here at all, so any name would do; this one fails fast everywhere).
+    base = "127.0.0.1:9/none/base:1"
+    done = build_script("cpu", "--build-arg", f"BASE_IMAGE={base}", *pull, env={"PULL_SECONDS": "20"})
+    assert done.returncode == 125, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert base in lines[-1] and "--build-arg BASE_IMAGE=IMAGE" in lines[-1], done.stderr
+    assert "[1/3]" not in done.stderr  # nothing built before the base was known to be missing
+
+
+def test_the_cpu_image_uses_the_local_debian_base_when_its_default_is_not_here(tmp_path):
+    # A stand-in engine (named podman, as build.sh tells the engines apart by name): it has local/debian:bookworm
+    # and nothing else, and records the build's arguments; OFFLINE=0 keeps the wheelhouse to the runtime's wheel.
+    engine = tmp_path / "podman"
+    engine.write_text(f"""#!/bin/sh
+if [ "$1 $2" = "image exists" ]; then [ "$3" = "{BASE}" ]; exit $?; fi
+if [ "$1" = build ]; then shift; printf '%s\\n' "$@" > {tmp_path}/build-args; exit 0; fi
+exit 1
+""")
+    engine.chmod(0o755)
+    done = build_script("cpu", env={"ENGINE": str(engine), "OFFLINE": "0", "TAG": "t:1"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"debian:bookworm-slim is not here; using {BASE}" in done.stderr
+    for step in ("[base]", "[1/3]", "[3/3]"):
+        assert f"docker/build.sh: {step}" in done.stderr
+    words = (tmp_path / "build-args").read_text().split("\n")
+    assert "--pull=never" in words and f"BASE_IMAGE={BASE}" in words
