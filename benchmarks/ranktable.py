@@ -9,11 +9,12 @@ fresh interpreter (this script with --child) so that peak memory is that
 process's own, round-robin (benchmarks/_harness.py), --rounds times after --warmup untimed rounds:
 
   ma_runtime  ranktable.wait.read_table (bounded read), ranktable.convert.read_any (parse,
-              validate, convert), .template_one(), ranktable.convert.write_atomically()
+              validate, convert), ranktable.convert.template_one_text(), .write_atomically()
               -- the path `ma-runtime run` takes (ranktable.wait_and_convert)
   json floor  read the file text, json.loads, a template-one document built by
               a plain comprehension (no validation, no pod-name order), and
-              json.dump (no indent: the C encoder) to a temporary file renamed into place: the
+              json.dumps (the C encoder; json.dump would take the Python one) to a temporary file
+              renamed into place: the
               same I/O with nothing but the JSON round trip
   baseline    import ma_runtime.stages.ranktable and read the file text, nothing else
 
@@ -149,8 +150,9 @@ def write_plain(path: Path, document: Dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(document, handle)  # the C encoder, as table_convert.layout uses
-        handle.write("\n")
+        # json.dumps, not json.dump: dump always takes the pure-Python encoder (3x slower here), which made this
+        # floor 2x too high until issue 29 (the ratio read 1.5x where it was 3x).
+        handle.write(json.dumps(document) + "\n")
     os.replace(tmp, path)
 
 
@@ -181,7 +183,7 @@ def child(mode: str, source: str, out: str, trace: bool) -> int:
     # ma_runtime reads with its own bounded reader, as ranktable.wait_and_convert reads the platform's file.
     text = table_wait.read_table(source_path) if mode == "ma_runtime" else source_path.read_text(encoding="utf-8")
     if mode == "ma_runtime":
-        table_convert.write_atomically(out_path, table_convert.read_any(text, source).template_one())
+        table_convert.write_atomically(out_path, table_convert.template_one_text(table_convert.read_any(text, source)))
     elif mode == "json":
         write_plain(out_path, floor_template_one(json.loads(text)))
     elapsed = time.perf_counter() - started

@@ -46,7 +46,7 @@ from ma_runtime.spec.table import SETTINGS_BY_NAME
 
 # The submodule, not its function: `ranktable.wait` stays the module (model / convert / wait / node).
 from ma_runtime.stages.ranktable import wait as table_wait
-from ma_runtime.stages.ranktable.convert import read_any, write_atomically
+from ma_runtime.stages.ranktable.convert import read_any, template_one_text, write_atomically
 from ma_runtime.stages.ranktable.model import COMPLETED, FILE_NAME, NodeView, Ranked, RankTableError
 from ma_runtime.stages.ranktable.node import node_view
 
@@ -85,10 +85,10 @@ def wait_and_convert(spec, environ: Mapping[str, str], log) -> Optional[Prepared
     ranked = read_any(text, str(source))
     view = node_view(ranked, _resolved(spec, environ), _hostname())
     target = converted_path(spec)
-    document = ranked.template_one()
-    write_atomically(target, document)
+    write_atomically(target, template_one_text(ranked))
+    servers = {instance.server_id for instance in ranked.instances if instance.devices}  # template one's entries
     log.info("rank table ready", path=str(target), source=str(source), elapsed_s=round(time.monotonic() - started, 2),
-             servers=document["server_count"], rank_size=ranked.rank_size, server_id=view.server_id,
+             servers=str(len(servers)), rank_size=ranked.rank_size, server_id=view.server_id,
              matched_by=view.matched_by, ranks=",".join(str(device.rank_id) for device in view.devices),
              devices=",".join(device.device_id for device in view.devices))
     return Prepared(source, target, ranked, view, text)

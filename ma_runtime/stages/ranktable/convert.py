@@ -1,12 +1,16 @@
 """Reading a rank table's text (either template, validated field by field, every problem naming its JSON path),
 converting template two to template one (ranks in pod order), and writing template one atomically."""
 
+import collections
+import functools
+import itertools
 import json
 import math
+import operator
 import re
 import socket
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from ma_runtime.stages.ranktable.model import Device, Group, Instance, Ranked, RankTableError, TemplateTwo
 from ma_runtime.util import files
@@ -15,6 +19,8 @@ from ma_runtime.util import files
 MAX_NUMBER_CHARS = 32
 _POD_INDEX = re.compile(r"([0-9]+)$")
 _NUMBER = re.compile(r"[0-9]+\Z")  # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+# Device ids with no leading zero, one a line: as strings they are unique exactly when they are as integers.
+_CANONICAL_IDS = re.compile(r"(?:(?:0|[1-9][0-9]*)\n)*\Z")
 
 
 class _Reader:
@@ -262,30 +268,168 @@ def read_any(text: str, source: str) -> Ranked:
     """Either template, as ranks; template two is converted, template one validated and kept."""
     document = load_document(text, source)
     if is_template_two(document):
-        return convert(parse_template_two(document, source), source)
+        return _converted_at_once(document) or convert(parse_template_two(document, source), source)
     if "server_list" in document:
         return parse_template_one(document, source)
     raise RankTableError(f"{source}: $: neither template: no group_list (template two) or server_list (template one)")
 
 
+# --- template two as the platform writes it, in bulk --------------------------------------------------------
+# Field by field, 4096 x 16 devices cost 3x the JSON round trip: a call per field, and every device made twice
+# (parsed, then ranked; a frozen dataclass's __init__ is ~1.5 us). A table as the platform writes it (every value
+# a string, IPv4 addresses, device ids without leading zeros, no server shared by two pods) is checked in bulk
+# instead, and each device is made once, with its rank. Anything else, valid or not, returns None and takes the
+# field-by-field way: it gives the same table or names the problem, so this path never answers differently.
+
+
+class _Unusual(Exception):
+    """The table is not the common shape: the field-by-field reading decides."""
+
+
+def _converted_at_once(document: Mapping[str, Any]) -> Optional[Ranked]:
+    try:
+        status = _string(document["status"])
+        group_list = _list(document["group_list"])
+        _agrees(document, "group_count", len(group_list))
+        pods = [pod for group in group_list for pod in _group_pods(group)]
+        return Ranked(_ranked(pods), status)
+    except (_Unusual, KeyError, TypeError, ValueError, OSError):
+        return None
+
+
+# (server_id, pod_name, devices as the JSON holds them)
+_Pod = Tuple[str, str, List[Any]]
+
+
+def _group_pods(group: Any) -> List[_Pod]:
+    """One group's pods, in pod order, their names and counts checked (their devices by _ranked)."""
+    if not isinstance(group, dict) or not isinstance(group.get("group_name", ""), str):
+        raise _Unusual
+    instance_list = _list(group["instance_list"])
+    _agrees(group, "instance_count", len(instance_list))
+    pods = [(_string(pod["server_id"]), _string(pod["pod_name"]), _list(pod["devices"])) for pod in instance_list]
+    _agrees(group, "device_count", sum(len(devices) for _, _, devices in pods))
+    indexes = [pod_index(pod_name) for _, pod_name, _ in pods]
+    if any(index is None for index in indexes):
+        return pods
+    return [pod for _, _, pod in sorted(zip(indexes, range(len(pods)), pods))]
+
+
+def _ranked(pods: List[_Pod]) -> Tuple[Instance, ...]:
+    """Every pod's devices checked at once, over flat lists, and made with their ranks."""
+    every_device = list(itertools.chain.from_iterable(devices for _, _, devices in pods))
+    # KeyError or TypeError for a device that is no object or lacks a field.
+    ids = list(map(operator.itemgetter("device_id"), every_device))
+    ips = list(map(operator.itemgetter("device_ip"), every_device))
+    lines = "\n".join(ids)  # TypeError for an id that is no string; a line end inside one adds a line, counted
+    if ids and (not _CANONICAL_IDS.match(lines + "\n") or lines.count("\n") != len(ids) - 1):
+        raise _Unusual
+    # inet_pton, as _Reader.ip tries first: OSError (or ValueError, TypeError) for anything else, IPv6 included.
+    pton = functools.partial(socket.inet_pton, socket.AF_INET)
+    collections.deque(map(pton, ips), maxlen=0)
+    collections.deque(map(pton, (server_id for server_id, _, _ in pods)), maxlen=0)
+    servers = [server_id for server_id, _, devices in pods if devices]
+    if len(set(servers)) != len(servers):
+        raise _Unusual  # two pods on one host: _unique_per_server checks their devices
+    # Device is a named tuple: tuple.__new__ makes each at C speed, as Device(...) would, fields in order.
+    devices = list(map(tuple.__new__, itertools.repeat(Device), zip(ids, ips, map(str, range(len(ids))))))
+    instances = []
+    start = 0
+    for server_id, pod_name, listed in pods:
+        end = start + len(listed)
+        if len(set(ids[start:end])) != end - start:
+            raise _Unusual  # a device listed twice: the field-by-field reading names it
+        instances.append(Instance(server_id, tuple(devices[start:end]), pod_name))
+        start = end
+    return tuple(instances)
+
+
+def _string(value: Any) -> str:
+    if type(value) is not str:
+        raise _Unusual
+    return value
+
+
+def _list(value: Any) -> List[Any]:
+    if type(value) is not list:
+        raise _Unusual
+    return value
+
+
+def _agrees(obj: Mapping[str, Any], name: str, actual: int) -> None:
+    """An optional count: absent, or a string of canonical digits that equals `actual`."""
+    if name in obj and obj[name] != str(actual):
+        raise _Unusual
+
+
 def layout(document: Mapping[str, Any]) -> str:
     """JSON with one server per line: readable, and written by the C encoder (any `indent` makes
     json use its pure-Python one: 4x slower on 4096 servers)."""
+    value = document.get("server_list")
+    servers = [json.dumps(server) for server in value] if isinstance(value, list) else None
+    return _assembled(document, servers)
+
+
+def _assembled(document: Mapping[str, Any], servers: Optional[List[str]]) -> str:
+    """The document's text, its server_list written as the given lines (None: as a plain value)."""
     parts = []
     for key, value in document.items():
-        if key == "server_list" and isinstance(value, list):
-            servers = ",\n".join(f"    {json.dumps(server)}" for server in value)
-            parts.append(f'  "server_list": [\n{servers}\n  ]' if value else '  "server_list": []')
+        if key == "server_list" and servers is not None:
+            rows = ",\n".join(f"    {server}" for server in servers)
+            parts.append(f'  "server_list": [\n{rows}\n  ]' if servers else '  "server_list": []')
         else:
             parts.append(f"  {json.dumps(key)}: {json.dumps(value)}")
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
-def write_atomically(path: Path, document: Mapping[str, Any]) -> None:
-    """Template one to `path` through files.write_atomically: readers see the old file or the new one, and only
-    a regular file (or nothing) is ever replaced. RankTableError, one line, when it cannot be written."""
+# What json.dumps escapes besides `"`, `\` and non-ASCII.
+_CONTROL = re.compile(r"[\x00-\x1f]")
+_DEVICE = '{"device_id": "%s", "device_ip": "%s", "rank_id": "%s"}'
+
+
+def template_one_text(ranked: Ranked) -> str:
+    """`layout(ranked.template_one())`, byte for byte. Each device is formatted straight from its tuple, not made
+    into a dict and encoded (the encoding was a third of the conversion), where that gives what json.dumps would:
+    every id and address plain text (always, for a table that took the fast path: digits and IPv4)."""
+    servers: Dict[str, List[Device]] = {}
+    for instance in ranked.instances:
+        if instance.devices:  # as template_one: a pod without devices is no HCCL server
+            servers.setdefault(instance.server_id, []).extend(instance.devices)
+    lines = []
+    for server_id, devices in servers.items():
+        values = (*itertools.chain.from_iterable(devices), server_id)
+        try:
+            "".join(values)  # json.dumps writes a number bare and None as null; template_one writes rank None as ""
+        except TypeError:
+            return layout(ranked.template_one())
+        lines.append(_server_format(len(devices)) % values)
+    if not _plain_rows(lines, servers):
+        return layout(ranked.template_one())
+    head = {"server_count": str(len(servers)), "server_list": None, "status": ranked.status, "version": "1.0"}
+    return _assembled(head, lines)
+
+
+@functools.cache
+def _server_format(devices: int) -> str:
+    """A server's row with `devices` devices as one %-format: one call per server, not one per device."""
+    return '{"device": [' + ", ".join([_DEVICE] * devices) + '], "server_id": "%s"}'
+
+
+def _plain_rows(lines: List[str], servers: Dict[str, List[Device]]) -> bool:
+    """Whether the formatted rows (of strings) are what json.dumps writes: no value held a quote (the count of
+    quotes is the format's own), a backslash, a control or a non-ASCII character."""
+    text = "".join(lines)
+    devices = sum(map(len, servers.values()))
+    return (text.isascii() and "\\" not in text and not _CONTROL.search(text)
+            and text.count('"') == 12 * devices + 6 * len(servers))
+
+
+def write_atomically(path: Path, document: Union[str, Mapping[str, Any]]) -> None:
+    """Template one (its document, or its text from template_one_text) to `path` through files.write_atomically:
+    readers see the old file or the new one, and only a regular file (or nothing) is ever replaced.
+    RankTableError, one line, when it cannot be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        files.write_atomically(path, layout(document))
+        files.write_atomically(path, document if isinstance(document, str) else layout(document))
     except OSError as exc:
         raise RankTableError(f"cannot write {path}: {exc.strerror or exc}") from None
