@@ -59,6 +59,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -79,6 +80,7 @@ LARGE_GOAL = harness.Goal("upload, large file", "large uploads >= 1.2x the best 
 HEADLINE = "ma-sync"  # the sync engine's row: what the runtime runs; the primitive rows are diagnostics
 LARGE_ANCHORS = ("boto3-def", "boto3-16", "sdk-putfile", "sdk-uploadfile")
 RANDOM_BLOCK = 64 * MiB  # the large file is this much random data, repeated
+MAX_PUT_MB = 5120  # the (s') row's large threshold: every file one PUT may carry (5 GiB) goes in one
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -111,23 +113,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 # --------------------------------------------------------------------------- the sync engine's row
 
 
-def ma_runtime_sync_row(server: storage.Server, scratch: Path, scenario: str,
-                        sources: List[Path]) -> Optional[storage.Method]:
+def ma_runtime_sync_row(server: storage.Server, scratch: Path, scenario: str, sources: List[Path],
+                        large_mb: Optional[int] = None) -> Optional[storage.Method]:
     """The sync engine's own row: one final-sync cycle (`ChannelSync.cycle(final=True)`, what the uploader runs
     after the command) of a folder holding copies of `sources` to BUCKET, with a fresh manifest each run, so
-    every file goes up: scan, read, MD5 and PUT for small files; multipart for the large one. Copies, made
-    once before the clock: the engine does not follow a hard link to a file outside its folder (tree.py)."""
+    every file goes up: scan, read, MD5 and PUT for small files; one PUT below the large threshold, parts at or
+    above it (transfer.upload_file). `large_mb`: the threshold as MA_RUNTIME_STORAGE_LARGE_MB would set it
+    (None: the default). Copies, made once before the clock: the engine does not follow a hard link to a file
+    outside its folder (tree.py)."""
     try:
+        from ma_runtime.storage.transfer.upload import goes_in_parts
         from ma_runtime.sync.engine import ChannelSync, Target
     except ImportError:
         return None
     ma = storage.MaRuntime(server, scratch)
+    options = ma.options if large_mb is None else dataclasses.replace(ma.options, large_threshold=large_mb * MiB)
     s3 = storage.boto3_client(server, 16)
     folder = Path(tempfile.mkdtemp(prefix=f"sync-{scenario}-", dir=scratch))
     expected: Dict[str, Tuple[int, str]] = {}
     for source in sources:
         shutil.copyfile(source, folder / source.name)
-    prefix = f"{scenario}/sync/"
+    prefix = f"{scenario}/sync{large_mb or ''}/"
     if scenario == "large":
         amount = sum(source.stat().st_size for source in sources) / MB
     else:
@@ -136,7 +142,7 @@ def ma_runtime_sync_row(server: storage.Server, scratch: Path, scenario: str,
     def run(_out: Path) -> Dict[str, Any]:
         state = Path(tempfile.mkdtemp(prefix="sync-state-", dir=scratch))
         try:
-            sync = ChannelSync(Target("bench", folder, f"s3://{BUCKET}/{prefix}"), ma.store, ma.options,
+            sync = ChannelSync(Target("bench", folder, f"s3://{BUCKET}/{prefix}"), ma.store, options,
                                ma.spec.sync_markers, storage.QuietLog(), state)
             result = sync.cycle(final=True)
             assert result.error is None and not result.missing, result.error or result.missing[:3]
@@ -153,9 +159,17 @@ def ma_runtime_sync_row(server: storage.Server, scratch: Path, scenario: str,
         verify_objects(s3, prefix, expected)
         empty_prefix(s3, prefix)
 
-    label = (f"(s) ma_runtime sync engine, final cycle [{ma.options.workers} threads"
-             + (f", parts of {ma.options.part_size // MiB} MiB]" if scenario == "large" else "]"))
-    return storage.Method("ma-sync", label, run, verify)
+    if scenario != "large":
+        how = "]"
+    elif any(goes_in_parts(source.stat().st_size, options) for source in sources):
+        how = f", parts of {options.part_size // MiB} MiB from {options.large_threshold // MiB} MiB]"
+    else:
+        how = f", one PUT below {options.large_threshold // MiB} MiB]"
+    if large_mb is None:
+        return storage.Method(HEADLINE, f"(s) ma_runtime sync engine, final cycle, defaults [{options.workers} threads"
+                              + how, run, verify)
+    return storage.Method(f"ma-sync-{large_mb}", f"(s') ma_runtime sync engine, final cycle, "
+                          f"MA_RUNTIME_STORAGE_LARGE_MB={large_mb} [{options.workers} threads" + how, run, verify)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -373,12 +387,12 @@ def large_methods(server: storage.Server, scratch: Path, source: Path, md5: str,
     ma = storage.MaRuntime(server, scratch)
     methods: List[storage.Method] = []
 
-    def row(key: str, label: str, send: Callable[[str], None]) -> None:
+    def row(key: str, label: str, send: Callable[[str], Optional[Dict[str, Any]]]) -> None:
         target = f"large/{key}.bin"
 
         def run(_out: Path) -> Dict[str, Any]:
-            send(target)
-            return {"amount": size / MB}
+            more = send(target)  # a row's own figures (the seconds of its complete), when it returns a dict
+            return {"amount": size / MB, **(more if isinstance(more, dict) else {})}
 
         def verify(_out: Path) -> None:
             verify_objects(s3, target, {target: (size, md5)})
@@ -427,9 +441,10 @@ def large_methods(server: storage.Server, scratch: Path, source: Path, md5: str,
             lambda key, threads=threads: parallel_parts(ma.store, source, key, part_mb * MiB, threads))
     row("ma-put", "(a') ma_runtime put_file, one PUT (sendfile)",
         lambda key: ma.store.put_file(BUCKET, key, str(source)))
-    sync = ma_runtime_sync_row(server, scratch, "large", [source])
-    if sync is not None:
-        methods.append(sync)
+    for large_mb in (None, MAX_PUT_MB):
+        sync = ma_runtime_sync_row(server, scratch, "large", [source], large_mb)
+        if sync is not None:
+            methods.append(sync)
     return methods
 
 
@@ -448,7 +463,10 @@ def raw_large_put(server: storage.Server, s3, source: Path, key: str) -> None:
         connection.close()
 
 
-def parallel_parts(store, source: Path, key: str, part_size: int, threads: int) -> None:
+def parallel_parts(store, source: Path, key: str, part_size: int, threads: int) -> Dict[str, Any]:
+    """The parts by hand; returns the seconds of the complete alone (`complete_seconds`): what a server that
+    assembles the object on complete (s3rver reads every part back and writes the object again) costs beyond
+    the parts, and what OBS, which completes without copying, would not charge."""
     size = source.stat().st_size
     upload_id = store.create_multipart(BUCKET, key)
     offsets = list(range(0, size, part_size))
@@ -460,7 +478,9 @@ def parallel_parts(store, source: Path, key: str, part_size: int, threads: int) 
 
     with ThreadPoolExecutor(threads) as pool:
         parts = list(pool.map(send, range(1, len(offsets) + 1)))
+    started = time.perf_counter()
     store.complete_multipart(BUCKET, key, upload_id, parts)
+    return {"complete_seconds": time.perf_counter() - started}
 
 
 # --------------------------------------------------------------------------- verdicts and main
@@ -497,6 +517,29 @@ def large_verdict(samples: Dict[str, List[harness.Sample]], summary: Dict[str, D
     return verdict
 
 
+def complete_share(samples: Dict[str, List[harness.Sample]], summary: Dict[str, Dict[str, Any]],
+                   labels: Dict[str, str], best: Optional[str]) -> Dict[str, Any]:
+    """Of the rows that time their complete (the parts by hand): its seconds, its share of the row's, and the
+    row's rate without it (what a server that completes without copying, as OBS does, would give, the rest of
+    the work the same) against the best anchor's median. Medians over the rounds."""
+    found: Dict[str, Any] = {}
+    anchor = summary.get(best, {}).get("rate") if best else None
+    for key, rows in samples.items():
+        good = [sample.result for sample in rows if "complete_seconds" in sample.result]
+        if not good:
+            continue
+        complete = _median(result["complete_seconds"] for result in good)
+        seconds = _median(result["seconds"] for result in good)
+        amount = good[0]["amount"]
+        without = amount / max(1e-9, seconds - complete)
+        found[key] = {"complete_seconds": complete, "row_seconds": seconds, "rate_without_complete": without,
+                      "vs_best_anchor": without / anchor.median if anchor else None}
+        versus = f", {without / anchor.median:.2f}x the best anchor's median" if anchor else ""
+        print(f"  complete alone, {labels.get(key, key)}: {complete:.2f} s of the row's {seconds:.2f} s (medians, "
+              f"{100 * complete / seconds:.0f} %); without it {without:.0f} MB/s{versus}")
+    return found
+
+
 def on_endpoint(goal: harness.Goal, server: storage.Server) -> harness.Goal:
     """The goal's row for one endpoint: figures of two servers are not one figure."""
     return dataclasses.replace(goal, key=f"{goal.key} ({server.name})")
@@ -529,6 +572,8 @@ def scenario(args, server: storage.Server, scratch: Path, which: str) -> Dict[st
     verdict = (small_verdict(samples, server) if which == "small"
                else large_verdict(samples, summary, labels, server))
     print_comparisons(server.name, which, verdict, labels)
+    if which == "large":
+        verdict["complete"] = complete_share(samples, summary, labels, verdict.get("best_anchor"))
     return {"server": server.label, "labels": labels, "summary": summary, "samples": samples, "verdict": verdict}
 
 

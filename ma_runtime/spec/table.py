@@ -189,7 +189,9 @@ SETTINGS: Tuple[Setting, ...] = (
              "non-Huawei hosts)", "auto"),
             ("workers", integer(1, 256), "concurrent requests", 16),
             ("part_mb", number(1, 5120), "part size of ranged downloads and multipart uploads, MB", 32.0),
-            ("large_mb", number(1, 1 << 20), "objects at least this big go in parallel parts, MB", 64.0),
+            ("large_mb", number(1, 1 << 20), "objects at least this big go in parallel parts (ranged downloads, "
+             "multipart uploads); smaller files go up in one PUT (and none over 5120, the most a PUT carries), MB",
+             64.0),
             ("retry_seconds", seconds, "how long one request is retried", 120.0),
             ("progress_seconds", seconds, "interval of progress lines", 10.0),
         )

@@ -157,8 +157,11 @@ class ObjectStore(Protocol):
         then skip the Range header). `tap`, when given, is called with every piece of the body, in order,
         just before it is written (the engine hashes a download's parts as they arrive)."""
 
-    def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
-        """Uploads a whole file in one request. FileChanged if it ends before the size it had when opened."""
+    def put_file(self, bucket: str, key: str, path: str, *, size: Optional[int] = None,
+                 unchanged: Optional[Callable[[], bool]] = None) -> ObjectInfo:
+        """Uploads a file in one request: its first `size` bytes (None: its size when opened). FileChanged if it
+        ends before that, or if `unchanged`, called once every byte has been read and before the object is
+        stored, says False: then nothing is stored (the object keeps its previous version)."""
 
     def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:
         """One PUT of `data` with its MD5 (`md5_hex`, as Content-MD5): a body that does not match is refused,

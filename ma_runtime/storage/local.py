@@ -129,12 +129,23 @@ class LocalStore:
             os.close(source)
         return done
 
-    def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
+    def put_file(self, bucket: str, key: str, path: str, *, size: Optional[int] = None,
+                 unchanged: Optional[Callable[[], bool]] = None) -> ObjectInfo:
         with _as_storage_error("uploading to", key):
             target = _upload_target(key)
             copied = _Count()
+
+            def write(sink) -> None:
+                if size is None:
+                    copied.copy(source, sink)
+                else:
+                    _copy_range(source, sink, 0, size, path)
+                    copied.bytes = size
+                if unchanged is not None and not unchanged():  # before the rename: nothing is stored
+                    raise FileChanged(f"uploading to {key}: {path} changed while it was being uploaded")
+
             with _open_source(path) as source:
-                write_atomically_from(target, lambda sink: copied.copy(source, sink))
+                write_atomically_from(target, write)
             return confirmed(f"uploading to {key}", _info_of(key, target), size=copied.bytes)
 
     def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:

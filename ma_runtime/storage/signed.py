@@ -13,7 +13,10 @@ Bodies: bytes go in the request as they are; a range of a file (`FileRange`) goe
 the file, with `socket.sendfile` (os.sendfile: no copy through Python) on plain HTTP and a read
 loop through this thread's buffer on TLS (an SSL socket cannot sendfile, and its fallback sends
 8 KiB at a time). A file that ends before the range does raises `BodyCutShort`, and the connection,
-owing the server bytes it will never get, is closed. Headers that a v2 signature covers whether or
+owing the server bytes it will never get, is closed. A range with an `unchanged` check keeps its last bytes
+back: they are read, then the check runs, and only then are they sent; a False raises `SourceChanged` and the
+body is never finished, so the server stores nothing (a PUT is atomic): every byte sent was read before a
+check that found the file unchanged. Headers that a v2 signature covers whether or
 not they were meant to be signed (Content-MD5, Content-Type) are signed, with v4 too: a URL then
 fits one body.
 
@@ -38,13 +41,14 @@ import os
 import re
 import threading
 import time
-from typing import IO, Dict, List, Mapping, Optional, Tuple, Union
+from typing import IO, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from urllib.parse import quote, urlsplit
 
 # Long enough for a request queued behind others; the URL is used at once and never logged.
 EXPIRES_SECONDS = 900
 ERROR_BODY_LIMIT = 64 * 1024  # an error answer is a short XML document; more is not read
 SEND_CHUNK = 1 << 20  # bytes of a file sent at a time over TLS
+HELD_BACK = 64 * 1024  # the last bytes of a checked range (FileRange.unchanged), sent once the check passed
 STALE_CONNECTION_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
                            ConnectionAbortedError)
 # A send failing with one of these means the server closed the connection: it may have answered first.
@@ -69,6 +73,8 @@ class FileRange:
     file: IO[bytes]
     offset: int
     size: int
+    # Called before the body's last bytes go (they are read first): False abandons the request (SourceChanged).
+    unchanged: Optional[Callable[[], bool]] = None
 
 
 Body = Union[None, bytes, FileRange]
@@ -80,6 +86,10 @@ class BodyCutShort(Exception):
     def __init__(self, sent: int, size: int):
         super().__init__(f"the file ended after {sent} of the {size} bytes to send")
         self.sent, self.size = sent, size
+
+
+class SourceChanged(Exception):
+    """The file changed while its range was sent (its `unchanged` check said so): the body was not finished."""
 
 
 class V4Presigner:
@@ -232,12 +242,21 @@ class SignedRequests:
         return connection.getresponse()
 
     def _send_file(self, connection: http.client.HTTPConnection, body: FileRange) -> None:
+        held = min(HELD_BACK, body.size) if body.unchanged is not None else 0
+        first = dataclasses.replace(body, size=body.size - held)
         if isinstance(connection, http.client.HTTPSConnection):
-            sent = self._send_file_through_buffer(connection.sock, body)
+            sent = self._send_file_through_buffer(connection.sock, first)
         else:
-            sent = connection.sock.sendfile(body.file, body.offset, body.size)
-        if sent < body.size:
+            sent = connection.sock.sendfile(first.file, first.offset, first.size) if first.size else 0
+        if sent < first.size:
             raise BodyCutShort(sent, body.size)
+        if held:
+            tail = os.pread(body.file.fileno(), held, body.offset + sent)  # read before the check, sent after it
+            if len(tail) < held:
+                raise BodyCutShort(sent + len(tail), body.size)
+            if not body.unchanged():
+                raise SourceChanged()
+            connection.sock.sendall(tail)
 
     def _send_file_through_buffer(self, sock, body: FileRange) -> int:
         buffer = self.buffer(SEND_CHUNK)

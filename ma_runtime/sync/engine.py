@@ -13,16 +13,18 @@ A cycle (`ChannelSync.cycle`):
    place when the stop came never replaces the good one in the store (it is listed "being written at the stop");
 3. uploads them: small ones (< SMALL_LIMIT) read into memory once, checked unchanged after the read, and sent
    from those bytes with their MD5 (the object is exactly the bytes checked, whatever the file does next);
-   large ones as a resumable multipart upload (transfer.Multipart) from a descriptor opened once (a file
-   renamed over meanwhile still sends the version it started with) and completed only when that file is
-   unchanged. An upload counts only when the store confirmed it (the storage layer's rule);
+   larger ones from a descriptor opened once (a file renamed over meanwhile still sends the version it started
+   with): in one PUT below the large threshold, else as a resumable multipart upload (transfer.upload_file
+   decides), either way stored only when that file is unchanged once every byte was read (a PUT's last bytes
+   wait for the check, a multipart upload's completion does). An upload counts only when the store confirmed
+   it (the storage layer's rule);
 4. uploads completion markers last (units.py: which files are markers, which folder each completes): a marker
    goes up only after every changed file of its unit did, deepest marker first. A unit with a file not yet
    whole, refused, or failed keeps its marker back. Before the first changed file of a unit whose marker is
    in the store goes up, that marker is withdrawn (deleted, whatever `delete` says: it is ours), and published
    again once the unit is whole: a reader that waits for the marker never sees half a checkpoint, even when
    the names are reused.
-Order within a cycle: small files, the markers that are ready, large files, the markers ready then.
+Order within a cycle: small files, the markers that are ready, larger files, the markers ready then.
 
 A failure that is an outage (unreachable, 5xx after the retries, access denied, a missing bucket) ends a cycle:
 trying the 9 999 other files would only take longer; the next cycle tries again. A refusal of one object (a key
@@ -54,7 +56,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ma_runtime.storage import url as url_module
 from ma_runtime.storage.base import FileChanged, StorageError
-from ma_runtime.storage.transfer import EitherStop, Multipart, TransferOptions, name_digest, settle_uploads
+from ma_runtime.storage.transfer import EitherStop, TransferOptions, name_digest, settle_uploads, upload_file
 from ma_runtime.storage.transfer.hashing import new_md5
 from ma_runtime.storage.transfer.utils import object_url
 from ma_runtime.sync import births, reading
@@ -309,10 +311,9 @@ class ChannelSync:
             # still sends the version this upload started with, whole.
             source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else entry.path
             url = object_url(self.location, self.key_of(relative))
-            upload = Multipart(self.store, self.location.bucket, self.key_of(relative), url, Path(entry.path), stats,
+            info = upload_file(self.store, self.location.bucket, self.key_of(relative), url, Path(entry.path), stats,
                                self.options, self.log, size=entry.size, stop=stop, quiet=True, source=source,
                                unchanged=lambda: reading.same(entry, os.fstat(fd), self.target.is_log))
-            info = upload.run()
             born = births.born_of_descriptor(fd, entry.ino)
         except FileChanged:
             raise Later() from None

@@ -1,7 +1,8 @@
 """The uploads of one cycle of a channel's sync, in the order that keeps checkpoints whole.
 
-Owns the order within a cycle (small files in a pool, the completion markers that are ready, large files one
-at a time in parallel parts, the markers ready then), the checkpoint-unit rule for markers (a marker goes up
+Owns the order within a cycle (the files that go up whole in a pool: small ones from memory, then those sent in
+one PUT; the completion markers that are ready; the files that go in parts one at a time, each in parallel parts;
+the markers ready then), the checkpoint-unit rule for markers (a marker goes up
 only after every changed file of its unit did, deepest first; a unit with a file not yet whole, refused or
 failed keeps its marker back), what each failure means (an outage ends the cycle, a refusal sets one file
 aside, anything else is said once), every wait bounded by the deadline, and the cycle's `Result`. What is
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 from ma_runtime.storage.base import StorageError
 from ma_runtime.storage.transfer import Calls
+from ma_runtime.storage.transfer.upload import goes_in_parts
 from ma_runtime.storage.transfer.utils import naming_the_store
 from ma_runtime.sync.reading import SMALL_LIMIT, Later, Unreadable
 from ma_runtime.sync.tree import Entry
@@ -40,7 +42,7 @@ class Result:
 
 
 class UploadCycle:
-    """The uploads of one cycle: small files in a pool, markers after their units, large files one at a time
+    """The uploads of one cycle: whole files in a pool, markers after their units, files in parts one at a time
     (each in parallel parts), every wait bounded by the deadline."""
 
     def __init__(self, sync: "ChannelSync", entries: Dict[str, Entry], result: Result, deadline: Optional[float],
@@ -79,19 +81,25 @@ class UploadCycle:
                 markers.append(marker)
                 self.pending.add(marker)
         markers.sort(key=lambda r: -r.count("/"))  # deepest first
-        small = sorted((r for r in plain if self.entries[r].size < SMALL_LIMIT), key=lambda r: self.entries[r].size)
-        large = [r for r in plain if self.entries[r].size >= SMALL_LIMIT]
+        # Small files from memory, smallest first, then the files sent in one PUT (sendfile: no memory held).
+        in_parts = [r for r in plain if self._in_parts(self.entries[r].size)]
+        whole = sorted(set(plain) - set(in_parts), key=lambda r: (self.entries[r].size >= SMALL_LIMIT,
+                                                                   self.entries[r].size))
         self.units = {marker: self.sync.unit_of(marker) for marker in markers}
-        workers = min(self.sync.options.workers, max(1, len(small)))
+        workers = min(self.sync.options.workers, max(1, len(whole)))
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sync")
         try:
-            self._each(pool, small)
+            self._each(pool, whole)
             markers = self._markers(pool, markers)
-            for relative in large:  # each in parallel parts already
+            for relative in in_parts:  # each in parallel parts already
                 self._each(pool, [relative])
             self._markers(pool, markers)
         finally:
             pool.shutdown(wait=self.deadline is None, cancel_futures=True)
+
+    def _in_parts(self, size: int) -> bool:
+        """A file this big goes up in parts (engine.py sends a small one from memory, whatever the threshold)."""
+        return size >= SMALL_LIMIT and goes_in_parts(size, self.sync.options)
 
     def _markers(self, pool, markers: List[str]) -> List[str]:
         """Uploads each marker whose unit is complete, deepest first; returns those still held back.

@@ -58,11 +58,19 @@ class Recording(Wrapper):
         self.written = []
         self.parts = []
         self.deleted = []
+        self.whole_puts = []  # keys sent from a file in one PUT
 
     def put_bytes(self, bucket, key, data, md5_hex):
         info = self.inner.put_bytes(bucket, key, data, md5_hex)
         with self.lock:
             self.written.append(key)
+        return info
+
+    def put_file(self, bucket, key, path, **kwargs):
+        info = self.inner.put_file(bucket, key, path, **kwargs)
+        with self.lock:
+            self.written.append(key)
+            self.whole_puts.append(key)
         return info
 
     def upload_part(self, bucket, key, upload_id, number, path, offset, size):
@@ -136,7 +144,7 @@ class Channel:
     """One channel's sync: `root` (src) to the local folder `dest` (or `url`), its state in `state`."""
 
     def __init__(self, tmp_path, store=None, *, url=None, is_log=False, delete=False, workers=4,
-                 part_size=5 * MiB, markers=MARKERS):
+                 part_size=5 * MiB, markers=MARKERS, large_threshold=reading.SMALL_LIMIT):
         self.root = tmp_path / "src"
         self.root.mkdir(exist_ok=True)
         self.dest = tmp_path / "dest"
@@ -144,8 +152,11 @@ class Channel:
         self.store = Recording(LocalStore()) if store is None else store
         self.log = Log()
         self.target = Target("train_url", self.root, url or str(self.dest), is_log=is_log, delete=delete)
+        # Every file from SMALL_LIMIT up in parts, unless a test says otherwise: the multipart mechanisms are what
+        # most tests here drive (the default threshold sends files below 64 MiB in one PUT).
         self.options = transfer.TransferOptions(workers=workers, part_size=part_size, retry_seconds=1.0,
-                                                progress_seconds=0, state_dir=tmp_path / "unused")
+                                                progress_seconds=0, large_threshold=large_threshold,
+                                                state_dir=tmp_path / "unused")
         self.markers = markers
         self.sync = self.restarted()
 
@@ -898,14 +909,14 @@ def test_a_refused_upload_ends_the_cycle_records_nothing_and_the_next_cycle_retr
 class ObsChannel:
     """A channel to `obs://<new bucket>/out/` on moto, through the real OBS SDK."""
 
-    def __init__(self, endpoint, tmp_path):
+    def __init__(self, endpoint, tmp_path, large_threshold=reading.SMALL_LIMIT, store=Recording):
         self.endpoint = endpoint
         self.bucket = endpoint.new_bucket()
         env = {**endpoint.env(), "MA_HOME": str(tmp_path / "home")}
         url = f"obs://{self.bucket}/out/"
         self.obs = open_store(storage_url.parse(url), job_spec.load({}, env), env)
-        self.store = Recording(self.obs)
-        self.channel = Channel(tmp_path, self.store, url=url, workers=1)
+        self.store = store(self.obs)
+        self.channel = Channel(tmp_path, self.store, url=url, workers=1, large_threshold=large_threshold)
         self.big = write(self.channel.root / "big.bin", random_bytes(12 * MiB))
 
     def multipart(self, store=None):

@@ -132,13 +132,15 @@ class ObsStore(ObsWire):
 
     # --- writing -----------------------------------------------------------------------------------
 
-    def put_file(self, bucket: str, key: str, path: str) -> ObjectInfo:
+    def put_file(self, bucket: str, key: str, path: str, *, size: Optional[int] = None,
+                 unchanged: Optional[Callable[[], bool]] = None) -> ObjectInfo:
         action = "uploading to"
         _require_key(action, bucket, key)
         with _open_regular(path, action, bucket, key) as source:
-            size = os.fstat(source.fileno()).st_size
+            if size is None:
+                size = os.fstat(source.fileno()).st_size
             response = self._request(action, bucket, key, "PUT", headers=_content_type(key),
-                                     body=signed.FileRange(source, 0, size), path=path)
+                                     body=signed.FileRange(source, 0, size, unchanged), path=path)
         return self._confirmed_put(response, action, bucket, key, size)
 
     def put_bytes(self, bucket: str, key: str, data: bytes, md5_hex: str) -> ObjectInfo:

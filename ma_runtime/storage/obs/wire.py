@@ -55,6 +55,9 @@ class ObsWire:
         except signed.BodyCutShort as exc:
             raise FileChanged(f"{action} {object_url(bucket, key)}: {path} ended after {exc.sent} of the {exc.size} "
                               "bytes to send: it changed while it was being uploaded") from None
+        except signed.SourceChanged:
+            raise FileChanged(f"{action} {object_url(bucket, key)}: {path} changed while it was being uploaded "
+                              "(the request was left unfinished: nothing stored)") from None
         except Exception as exc:
             raise self._failure_of_exception(exc, action, bucket, key) from exc
         if response.status < 300:

@@ -40,7 +40,7 @@ The parts, as s3transfer splits its own:
 - parts.py     a large object as ranged parts into one preallocated partial file, resumable by its record;
 - partial.py   where partial files live (the staging folder), how one is opened and checked before its rename;
 - hashing.py   MD5s: of a file, and followed part by part as a download's parts land;
-- upload.py    Multipart (resumable by its record), settle_uploads() after a crash;
+- upload.py    upload_file() (one PUT or parts), Multipart (resumable by its record), settle_uploads();
 - journal.py   the download's ETag journal, and the checks of the download and upload records read back;
 - utils.py     object URLs, state-file digests, the failure naming the store, the runtime's own files.
 """
@@ -49,9 +49,9 @@ from ma_runtime.storage.transfer.download import Summary, download
 from ma_runtime.storage.transfer.options import TransferOptions
 from ma_runtime.storage.transfer.partial import PARTIAL_SUFFIX, STAGING_NAME
 from ma_runtime.storage.transfer.retry import Calls
-from ma_runtime.storage.transfer.upload import EitherStop, Multipart, settle_uploads
+from ma_runtime.storage.transfer.upload import EitherStop, Multipart, settle_uploads, upload_file
 from ma_runtime.storage.transfer.utils import name_digest
 
 # The engine's surface for the stages (stage-in, the sync) and its state files' names; the rest is its own.
 __all__ = ["PARTIAL_SUFFIX", "STAGING_NAME", "Calls", "EitherStop", "Multipart", "Summary", "TransferOptions",
-           "download", "name_digest", "settle_uploads"]
+           "download", "name_digest", "settle_uploads", "upload_file"]

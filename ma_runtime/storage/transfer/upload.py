@@ -1,6 +1,18 @@
-"""Uploads: a file whole or as a resumable multipart upload (its record: upload id and parts sent), the stop of
-one upload's parts, and the settling of uploads a crash left unfinished."""
+"""Uploads: a file in one PUT or as a resumable multipart upload (its record: upload id and parts sent), which of
+the two a file gets (`upload_file`), the stop of one upload's parts, and the settling of uploads a crash left
+unfinished.
 
+One PUT or parts (`upload_file`): a file below the large threshold (`MA_RUNTIME_STORAGE_LARGE_MB`, the one that
+also decides ranged downloads) goes in one PUT, a file at or above it in parallel parts; a file over 5 GiB always
+in parts (the most one PUT may carry on OBS and S3). Both are as safe against a torn object: a PUT is atomic (a
+crash or a cut connection mid-body stores nothing), and its last bytes are sent only after a check that the file
+is unchanged (signed.py), as a multipart upload is completed only after that check. What parts add is resuming:
+their record lets a later run send only the missing parts, where a PUT interrupted starts again from byte 0; and
+parallel streams, which OBS's own guidance recommends from about 100 MB for throughput. So a file whose
+unfinished multipart upload is recorded goes on in parts (resumed, or aborted when the file changed), whatever
+its size."""
+
+import functools
 import io
 import os
 import threading
@@ -24,6 +36,27 @@ from ma_runtime.util import records
 # S3's multipart limits (OBS's are looser): parts of at least 5 MiB but the last, at most 10 000 parts.
 MIN_UPLOAD_PART = 5 * MiB
 MAX_UPLOAD_PARTS = 10_000
+MAX_PUT = 5 << 30  # the most one PUT may carry (OBS and S3: 5 GiB); larger objects go up in parts only
+
+
+def upload_file(store, bucket: str, key: str, url: str, path: Path, stats: os.stat_result, options: TransferOptions,
+                log, *, size: Optional[int] = None, unchanged: Optional[Callable[[], bool]] = None,
+                stop: Optional[threading.Event] = None, quiet: bool = False,
+                source: Optional[str] = None) -> ObjectInfo:
+    """One file up, in one PUT or in parts (the rule in this module's docstring); the arguments are Multipart's.
+    `unchanged` is checked before the object is stored either way: False raises FileChanged, nothing stored."""
+    parts = Multipart(store, bucket, key, url, path, stats, options, log, size=size, unchanged=unchanged, stop=stop,
+                      quiet=quiet, source=source)
+    if goes_in_parts(parts.size, options) or parts.recorded():
+        return parts.run()
+    calls = Calls(options, log, parts.stop)
+    put = functools.partial(store.put_file, size=parts.size, unchanged=unchanged)
+    return calls(put, bucket, key, parts.source)
+
+
+def goes_in_parts(size: int, options: TransferOptions) -> bool:
+    """A file this big goes up as a multipart upload, not in one PUT."""
+    return size >= options.large_threshold or size > MAX_PUT
 
 
 class Multipart:
@@ -61,6 +94,10 @@ class Multipart:
         self.upload_id = ""
         self.etags: Dict[int, str] = {}
         self.lock = threading.Lock()
+
+    def recorded(self) -> bool:
+        """A record of this file's upload is there: a run before was interrupted (resume it, or abort it)."""
+        return os.path.lexists(self.record_path)
 
     def run(self) -> ObjectInfo:
         if self._resume():
