@@ -191,6 +191,9 @@ SETTINGS: Tuple[Setting, ...] = (
             ("part_mb", number(1, 5120), "part size of ranged downloads and multipart uploads, MB", 32.0),
             ("large_mb", number(1, 1 << 20), "objects at least this big go in parallel parts, MB", 64.0),
             ("retry_seconds", seconds, "how long one request is retried", 120.0),
+            ("first_contact_attempts", integer(1, 100), "attempts of a request to an endpoint that never answered in "
+             "this run and cannot be connected to (refused, name not resolved, connect timeout); then the endpoint "
+             "is taken as wrong for the run", 5),
             ("progress_seconds", seconds, "interval of progress lines", 10.0),
         )
     ),
