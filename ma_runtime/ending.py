@@ -104,8 +104,9 @@ def unsynced_reason(unsynced: List[str], result, deadline_s: float) -> str:
         reason = f"{what} not synced: the final sync did not finish"
     else:
         shown = ", ".join(unsynced[:3]) + (f", and {len(unsynced) - 3} more" if len(unsynced) > 3 else "")
-        reason = (f"{what} not synced: {len(unsynced)} file(s) did not reach the store within "
-                  f"MA_RUNTIME_FINAL_SYNC_SECONDS={deadline_s:g}: {shown}")
+        # Not the deadline's fault when the endpoint never answered (storage/reach.py): the error says so.
+        within = "" if result.dead else f" within MA_RUNTIME_FINAL_SYNC_SECONDS={deadline_s:g}"
+        reason = f"{what} not synced: {len(unsynced)} file(s) did not reach the store{within}: {shown}"
     return reason + (f" ({result.error})" if result.error else "")
 
 
@@ -167,18 +168,67 @@ def sync_at_end(context, fields: Dict[str, Any], stop_requested_at: Optional[flo
         return fields["exit_code"]  # the failure being reported is that one
     log = logs.get_logger()
     deadline = (stop_requested_at or time.monotonic()) + spec.sync_final_seconds
-    if context.uploader is None:
-        context.uploader = control.Uploader(spec, log)
-    result = context.uploader.final(deadline, stopped_at=workers_stopped_at)
+    result = _skipped_without_uploader(spec)
+    if result is None:
+        if context.uploader is None:
+            context.uploader = control.Uploader(spec, log)
+        result = context.uploader.final(deadline, stopped_at=workers_stopped_at)
     if result.complete:
         log.info("final sync completed", elapsed_s=result.seconds, files=result.files, bytes=result.bytes)
         _sync_logs_again(context, deadline)
         return fields["exit_code"]
-    unsynced = result.missing or [f"(unknown: {result.error})"]
-    fields = after_incomplete_sync(fields, unsynced, result, spec.sync_final_seconds, log)
+    # The skipped channels' files when the uploader could list them, else the channels (the command never ran).
+    unsynced = result.unsent or [f"{name}: (every file: its endpoint never answered)" for name in result.skipped]
+    if result.skipped:
+        fields = after_skipped_sync(fields, result, log)
+    if result.missing or not result.answered:
+        unsynced += result.missing or [f"(unknown: {result.error})"]
+        fields = after_incomplete_sync(fields, unsynced, result, spec.sync_final_seconds, log)
     write_termination(context, **fields, unsynced=unsynced)
-    _sync_logs_again(context, deadline)
+    if context.uploader is not None:
+        _sync_logs_again(context, deadline)
     return fields["exit_code"]
+
+
+def _skipped_without_uploader(spec):
+    """The final sync's result when every channel goes to an endpoint the run found dead (storage/reach.py):
+    nothing to try, so no uploader is started; None otherwise."""
+    from ma_runtime.storage import reach
+    from ma_runtime.sync import control, targets
+
+    dead = reach.dead()
+    if not dead:
+        return None
+    from ma_runtime.storage.stores import endpoint_of
+
+    every, remote = targets.of(spec), targets.remote(targets.of(spec))
+    endpoint = endpoint_of(spec)
+    if len(remote) < len(every) or endpoint not in dead:
+        return None
+    return control.FinalResult(dead=dead, skipped={target.name: endpoint for target in remote})
+
+
+def after_skipped_sync(fields: Dict[str, Any], result, log) -> Dict[str, Any]:
+    """One line: the channels the final sync did not try, their endpoint and why the run found it dead. A job that
+    had succeeded becomes exit 80, the reason naming the endpoint and the cause; a failed one keeps its verdict (its
+    own error line already said what failed: this line is then for information)."""
+    endpoints = sorted(set(result.skipped.values()))
+    causes = "; ".join(f"{endpoint}: {result.dead.get(endpoint, 'never answered')}" for endpoint in endpoints)
+    names = ", ".join(result.skipped)
+    failed = fields["exit_code"] != 0
+    (log.info if failed else log.warning)("final sync skipped: the endpoint cannot be used in this run", channels=names,
+                                          files=len(result.unsent) if result.unsent else None,
+                                          endpoint=", ".join(endpoints), error=causes)
+    if failed:
+        return fields
+    from ma_runtime.storage.base import dead_hint
+
+    fields = dict(
+        stage="sync", category=Category.INFRASTRUCTURE.value, exit_code=int(ExitCode.STORAGE_FAILED),
+        reason=f"outputs not synced ({names}): the endpoint never answered in this run ({causes})",
+        hint=dead_hint(endpoints[0]), attempt=fields.get("attempt"))
+    log.error(f"error,exiting: {fields['reason']}", hint=fields["hint"], stage="sync", exit_code=fields["exit_code"])
+    return fields
 
 
 def _sync_logs_again(context, deadline: float) -> None:

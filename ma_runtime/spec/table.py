@@ -193,6 +193,9 @@ SETTINGS: Tuple[Setting, ...] = (
              "multipart uploads); smaller files go up in one PUT (and none over 5120, the most a PUT carries), MB",
              64.0),
             ("retry_seconds", seconds, "how long one request is retried", 120.0),
+            ("first_contact_attempts", integer(1, 100), "attempts of a request to an endpoint that never answered in "
+             "this run and cannot be connected to (refused, name not resolved, connect timeout); then the endpoint "
+             "is taken as wrong for the run", 5),
             ("progress_seconds", seconds, "interval of progress lines", 10.0),
         )
     ),

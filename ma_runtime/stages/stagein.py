@@ -85,6 +85,7 @@ def planned(spec: JobSpec) -> Staged:
 def stage_in(spec: JobSpec, environ, log, attempt: Optional[int] = None) -> Staged:
     """`attempt`: the first start of the command this runtime makes (the platform's MA_PROC_START_CNT, or
     the next after a runtime that died): from the second on, what was staged is reused."""
+    check_sync_store(spec, environ)
     if not (spec.code_url or spec.inputs or spec.outputs):
         return Staged()
     try:
@@ -94,6 +95,28 @@ def stage_in(spec: JobSpec, environ, log, attempt: Optional[int] = None) -> Stag
 
         where = f": {exc.filename}" if exc.filename else ""
         raise StorageError(f"stage-in failed{where}: {exc.strerror or exc}", stage="stage-in") from None
+
+
+def check_sync_store(spec: JobSpec, environ) -> None:
+    """The store the outputs and logs will be synced to can be used (credentials, endpoint), before the command
+    runs: what it writes would be lost otherwise, and the uploader would fail on it at every start. Nothing is
+    sent. A failure is recorded in storage/reach.py, so that the final sync does not try that endpoint again."""
+    from ma_runtime.sync import targets
+
+    remote = targets.remote(targets.of(spec)) if spec.syncs else []
+    if not remote:
+        return
+    from ma_runtime.storage import reach
+    from ma_runtime.storage import url as storage_url
+    from ma_runtime.storage.base import StorageError
+    from ma_runtime.storage.stores import endpoint_of, open_store
+
+    try:
+        open_store(storage_url.parse(remote[0].url, remote[0].name), spec, environ)
+    except StorageError as exc:
+        reach.found_dead(endpoint_of(spec), exc.reason)
+        names = ", ".join(target.name for target in remote)
+        raise type(exc)(f"{exc.reason} (needed to sync {names})", hint=exc.hint, stage="stage-in") from None
 
 
 def _stage_all(spec: JobSpec, environ, log, attempt: int) -> Staged:

@@ -4,6 +4,9 @@ A backend turns its own failure styles (the OBS SDK raises on connection errors
 but *returns* HTTP errors as status codes) into these exceptions, so the
 transfer engine has one set to retry or report:
 - `TransientError`: worth retrying (connection reset, timeout, 5xx, 429, a body cut short);
+  `Unreached` is one that never reached the endpoint (refused, not resolved, connect timeout, no route);
+- `EndpointDead`: an endpoint that never answered in this run failed its first-contact attempts (reach.py);
+  not retried;
 - `AccessDenied` (403), `NotFound` (404): fail at once, with a clear message;
 - `ObjectChanged`: the object is no longer the version that was listed; not retried,
   because a part of the new version must never be written next to parts of the old;
@@ -52,6 +55,30 @@ class ObjectRefused(StorageError):
 
 class TransientError(StorageError):
     """Retryable: the same request may succeed a moment later."""
+
+
+class Unreached(TransientError):
+    """The request never reached `endpoint`: the connection was refused, the name not resolved, the connect timed
+    out, or there was no route. Retried as any TransientError once the endpoint answered in this run; before that,
+    only a few times (reach.py)."""
+
+    def __init__(self, reason: str, hint: str = "", stage=None, endpoint: str = ""):
+        super().__init__(reason, hint, stage)
+        self.endpoint = endpoint  # "" in a copy made to reword the reason: reach.py keeps the facts
+
+
+class EndpointDead(StorageError):
+    """An endpoint that never answered in this run could not be reached (reach.py): a wrong endpoint, most likely.
+    Not retried."""
+
+    def __init__(self, reason: str, hint: str = "", stage=None, endpoint: str = ""):
+        super().__init__(reason, hint or dead_hint(endpoint), stage)
+        self.endpoint = endpoint
+
+
+def dead_hint(endpoint: str) -> str:
+    return (f"check the endpoint ({endpoint}): MA_S3_ENDPOINT or storage.endpoint, its scheme (S3_USE_HTTPS), host "
+            "and port, and that the container can reach it")
 
 
 class AccessDenied(StorageError):

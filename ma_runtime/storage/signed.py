@@ -202,12 +202,14 @@ class SignedRequests:
             connection, reused = self._connection(url.scheme, url.netloc)
             try:
                 response = self._exchange(connection, method, target, send, body)
-            except STALE_CONNECTION_ERRORS:
+            except STALE_CONNECTION_ERRORS as exc:
+                _mark_not_connected(exc, connection)
                 self._discard(url.netloc)
                 if not reused or attempt == 2:
                     raise
                 continue
-            except BaseException:
+            except BaseException as exc:
+                _mark_not_connected(exc, connection)
                 self._discard(url.netloc)
                 raise
             response.ma_netloc = url.netloc
@@ -315,6 +317,16 @@ class SignedRequests:
 
 # The name from before writes came this way.
 SignedReads = SignedRequests
+
+
+def _mark_not_connected(exc: BaseException, connection: http.client.HTTPConnection) -> None:
+    """Marks a failure that came before the connection was made (no socket yet: refused, a name not resolved, a
+    connect timeout): the request never reached the endpoint (storage/reach.py's rule)."""
+    if connection.sock is None and isinstance(exc, OSError):
+        try:
+            exc.ma_not_connected = True
+        except AttributeError:  # pragma: no cover - an exception type without a __dict__
+            pass
 
 
 def _answer_sent_early(connection: http.client.HTTPConnection) -> Optional[http.client.HTTPResponse]:

@@ -3,6 +3,7 @@
 import os
 from typing import Mapping
 
+from ma_runtime.errors import RuntimeFailure
 from ma_runtime.storage.base import ObjectStore
 from ma_runtime.storage.local import LocalStore
 from ma_runtime.storage.url import Location
@@ -15,3 +16,14 @@ def open_store(location: Location, spec, environ: Mapping[str, str] = os.environ
     from ma_runtime.storage.obs import ObsStore
 
     return ObsStore.from_settings(spec, environ)
+
+
+def endpoint_of(spec) -> str:
+    """The endpoint the job's remote locations use, as their stores and storage/reach.py name it; the setting as
+    written when it is not one."""
+    from ma_runtime.storage.obs.client import endpoint_url
+
+    try:
+        return endpoint_url(spec.storage_endpoint, spec.storage_use_https)
+    except RuntimeFailure:
+        return f"MA_S3_ENDPOINT={spec.storage_endpoint or ''}"

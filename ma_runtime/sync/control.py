@@ -27,7 +27,7 @@ import socket
 import subprocess
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ma_runtime.process import children, lifecycle
 
@@ -50,10 +50,14 @@ class FinalResult:
     error: Optional[str] = None
     seconds: float = 0.0  # how long the final sync took, as the runtime saw it (fresh uploaders included)
     answered: bool = True  # False: the uploader did not answer in time; `missing` is then unknown
+    # Endpoints the run found dead (storage/reach.py), and why: the uploader did not try them again.
+    dead: Dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped: Dict[str, str] = dataclasses.field(default_factory=dict)  # channel -> its dead endpoint, not tried
+    unsent: List[str] = dataclasses.field(default_factory=list)  # the files of those channels, `<channel>: <path>`
 
     @property
     def complete(self) -> bool:
-        return self.answered and not self.missing
+        return self.answered and not self.missing and not self.skipped
 
 
 class Uploader:
@@ -120,13 +124,17 @@ class Uploader:
         one again when the uploader dies before it answered (FINAL_RESTARTS at most, before the deadline).
         `stopped_at`: when the workers were asked to stop (time.time()), if they were: a file being written then
         must not replace what the store has."""
+        from ma_runtime.storage import reach
+
         started = time.monotonic()
         with self.lock:
             self.ending = True
         restarts = 0
         while True:
-            result, died = self._ask({"final": deadline, "scope": scope, "stopped_at": stopped_at}, deadline,
-                                     restart=restarts > 0)
+            # What this process found dead (stage-in's check, or its transfers) goes with the command: a fresh
+            # uploader would try it again otherwise.
+            command = {"final": deadline, "scope": scope, "stopped_at": stopped_at, "dead": reach.dead()}
+            result, died = self._ask(command, deadline, restart=restarts > 0)
             if died is None or restarts >= FINAL_RESTARTS or time.monotonic() >= deadline:
                 break
             self.log.warning("upload process exited during the final sync; starting a fresh one",
@@ -162,7 +170,9 @@ class Uploader:
         try:
             document = json.loads(answer)
             return FinalResult(document["files"], document["bytes"], list(document["missing"]), document["error"],
-                               document["seconds"]), None
+                               document["seconds"], dead=dict(document.get("dead") or {}),
+                               skipped=dict(document.get("skipped") or {}),
+                               unsent=list(document.get("unsent") or [])), None
         except (ValueError, KeyError, TypeError):
             return FinalResult(answered=False, error=f"the upload process answered {answer[:200]!r}"), None
 

@@ -33,6 +33,11 @@ def of(spec) -> List[Target]:
     return targets
 
 
+def remote(targets: List[Target]) -> List[Target]:
+    """The targets in an object store (they all use the job's one endpoint); the others are local folders."""
+    return [target for target in targets if url_module.parse(target.url, target.name).remote]
+
+
 def _refuse_loop(target: Target, targets: List[Target]) -> None:
     """A local copy inside a synced folder (its own, or another channel's) would be copied again, cycle after
     cycle, each copy holding the last."""

@@ -16,10 +16,12 @@ Protocol on the channel, one JSON document per line:
   file;
 - to it, when the workers are being stopped: `{"stopping": <time.time()>}` (no answer): from then on a file
   that would replace an object goes up only if a look before the stop found it whole;
-- to it, then: `{"final": <deadline>, "scope": "all" | "logs", "stopped_at": <time.time() or null>}`: the
-  periodic cycles stop and one final
+- to it, then: `{"final": <deadline>, "scope": "all" | "logs", "stopped_at": <time.time() or null>,
+  "dead": {<endpoint>: <why>}}`: the periodic cycles stop and one final
   sync runs until the deadline (a `time.monotonic()` value: CLOCK_MONOTONIC is the machine's clock, not the
-  process's); its result comes back as `{"files", "bytes", "missing", "error", "seconds"}`;
+  process's); its result comes back as `{"files", "bytes", "missing", "error", "seconds", "skipped", "dead"}`.
+  `dead`: the endpoints the run found dead (storage/reach.py), both ways: the final sync skips their channels
+  (`skipped`: channel name -> endpoint; `unsent`: their files, `<channel>: <path>`) instead of trying them again;
 - the channel at end of file (the runtime closed it, or died): the process exits at once. An upload cut short
   keeps its record and is resumed by the next uploader (the runtime starts one when this one dies during
   the final sync).
@@ -50,6 +52,9 @@ NICENESS = 10  # below the training's priority: on 2 cores a sync cycle must not
 # A folder so large that walking it costs more than 1/WALK_SHARE of a core at the interval is walked less often:
 # 10 000 files (about 40 ms) keep the 5 s interval; a million (about 4 s) are walked every 80 s.
 WALK_SHARE = 20
+# A channel whose endpoint never answered (storage/reach.py) is tried again this often, one request: an endpoint
+# that comes up is used, and a wrong one costs one failed connect a minute, not a failed cycle every interval.
+DEAD_PROBE_SECONDS = 60.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _channel: Optional[int] = None  # the fd of the control channel, where answers go
 
@@ -155,6 +160,7 @@ class Uploads:
         self.intervals = {id(sync): spec.sync_log_interval_seconds if sync.target.is_log
                           else spec.sync_interval_seconds for sync in syncs}
         self.log = log
+        self.told_dead: set = set()  # endpoints whose death was logged
 
     def serve(self, commands: "queue.Queue[dict]", final_asked: threading.Event) -> None:
         for sync in self.syncs:
@@ -165,17 +171,37 @@ class Uploads:
                 for sync in self.syncs:
                     if due[id(sync)] <= time.monotonic() and not final_asked.is_set():
                         sync.cycle(stop=final_asked)
-                        due[id(sync)] = time.monotonic() + pause(self.intervals[id(sync)], sync.walk_cpu)
+                        wait = pause(self.intervals[id(sync)], sync.walk_cpu)
+                        if self._dead(sync):
+                            wait = max(wait, DEAD_PROBE_SECONDS)
+                        due[id(sync)] = time.monotonic() + wait
             wait = max(0.0, min(due.values(), default=time.monotonic() + 3600) - time.monotonic())
             try:
                 command = commands.get(timeout=None if final_asked.is_set() else wait)
             except queue.Empty:
                 continue
+            from ma_runtime.storage import reach
+
+            reach.learn(command.get("dead"))
             _answer(self.final(float(command["final"]), command.get("scope", "all"), command.get("stopped_at")))
+
+    def _dead(self, sync) -> Optional[str]:
+        """Why the run found the endpoint of `sync` dead, or None; the first time, one line saying so."""
+        from ma_runtime.storage import reach
+        from ma_runtime.storage.base import dead_hint
+
+        endpoint = getattr(sync.store, "endpoint", None)
+        cause = reach.dead_cause(endpoint)
+        if cause is not None and endpoint not in self.told_dead:
+            self.told_dead.add(endpoint)
+            self.log.warning("the storage endpoint never answered: files are not synced to it", endpoint=endpoint,
+                             error=cause, hint=dead_hint(endpoint), next_try_s=DEAD_PROBE_SECONDS)
+        return cause
 
     def final(self, deadline: float, scope: str, stopped_at: Optional[float] = None) -> Dict[str, object]:
         """`deadline`: the runtime's time.monotonic() value (one clock for every process of the machine);
         `stopped_at`: when the workers were asked to stop (time.time()), or None when they ended by themselves."""
+        from ma_runtime.storage import reach
         from ma_runtime.sync.targets import is_priority_log
 
         started = time.monotonic()
@@ -186,7 +212,15 @@ class Uploads:
         files = nbytes = 0
         missing: Dict[str, List[str]] = {}
         error: Optional[str] = None
+        skipped: Dict[str, str] = {}
+        unsent: List[str] = []  # the files of the channels skipped
         for sync, only in passes:
+            endpoint = getattr(sync.store, "endpoint", None)
+            if reach.dead_cause(endpoint) is not None:  # found dead by this run: not tried again
+                skipped[sync.target.name] = endpoint
+                if only is None:
+                    unsent.extend(f"{sync.target.name}: {relative}" for relative in _unsent(sync))
+                continue
             # The first logs may take a third of the time left at most: an endpoint that refuses them must not
             # leave the outputs no time at all.
             limit = deadline if only is None else time.monotonic() + (deadline - time.monotonic()) / 3
@@ -196,7 +230,17 @@ class Uploads:
             if only is None:
                 missing[sync.target.name] = result.missing
         return {"files": files, "bytes": nbytes, "error": error, "seconds": round(time.monotonic() - started, 3),
-                "missing": [f"{name}: {relative}" for name, relatives in missing.items() for relative in relatives]}
+                "missing": [f"{name}: {relative}" for name, relatives in missing.items() for relative in relatives],
+                "skipped": skipped, "unsent": unsent, "dead": reach.dead()}
+
+
+def _unsent(sync) -> List[str]:
+    """The files of a channel that the store does not have (changed since the manifest's record), found without a
+    request: its endpoint is dead."""
+    from ma_runtime.sync.tree import scan
+
+    entries = scan(str(sync.target.root), sync.skipped, sync.manifest.files)
+    return sorted(relative for relative in entries if not sync.units.excluded(relative))
 
 
 def pause(interval: float, walk_cpu: float) -> float:

@@ -2,7 +2,9 @@
 request raised, or an HTTP error answer, becomes a TransientError (retried), a refusal of one object, or an
 error naming the credentials, the bucket or the upload."""
 
+import errno
 import http.client
+import socket
 import ssl
 from typing import Callable, Optional
 
@@ -14,6 +16,7 @@ from ma_runtime.storage.base import (
     ObjectRefused,
     StorageError,
     TransientError,
+    Unreached,
     refused,
 )
 from ma_runtime.storage.obs.client import one_line
@@ -36,6 +39,8 @@ NOT_ABOUT_THE_OBJECT = frozenset({
     "InvalidBucketName", "InvalidBucketState", "NoSuchBucket", "PermanentRedirect",
     "NoSuchUpload",
 })
+# A connect that failed with one of these never reached the endpoint (reach.py's rule).
+UNREACHED_ERRNOS = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL})
 # OSErrors about our own files, not the network: retrying does not help.
 LOCAL_FILE_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -44,12 +49,14 @@ class UploadGone(NotFound):
     """404 NoSuchUpload: the multipart upload was completed or abandoned (a NotFound: the engine starts over)."""
 
 
-def of_exception(exc: BaseException, where: str, masked: Callable[[str], str]) -> StorageError:
-    """The error for an exception an SDK call or a request raised."""
+def of_exception(exc: BaseException, where: str, masked: Callable[[str], str], endpoint: str = "") -> StorageError:
+    """The error for an exception an SDK call or a request raised; `Unreached` when it never reached `endpoint`."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         # Retrying does not fix a certificate; say how to turn verification off.
         return StorageError(masked(f"{where}: certificate not trusted ({one_line(exc)})"),
                             hint="install the CA certificate, or set S3_VERIFY_SSL=0")
+    if endpoint and never_connected(exc):
+        return Unreached(masked(f"{where}: {type(exc).__name__}: {one_line(exc)}"), endpoint=endpoint)
     if is_network_error(exc):
         return TransientError(masked(f"{where}: {type(exc).__name__}: {one_line(exc)}"))
     return StorageError(masked(f"{where}: {type(exc).__name__}: {one_line(exc)}"))
@@ -94,6 +101,21 @@ def is_network_error(exc: BaseException) -> bool:
         return False
     # requests' and socket's errors, TimeoutError and ssl.SSLError are OSErrors; http.client's are not.
     return isinstance(exc, (OSError, http.client.HTTPException, Urllib3Error))
+
+
+def never_connected(exc: BaseException) -> bool:
+    """True when the request never reached the endpoint: signed.py marks a failure before its connection was
+    made; for the SDK's own requests, the errors only a connect raises (refused, no route, a name not resolved)."""
+    if getattr(exc, "ma_not_connected", False):
+        return True
+    cause = exc
+    for _ in range(4):  # urllib3 and requests wrap the socket's error
+        if isinstance(cause, socket.gaierror) or getattr(cause, "errno", None) in UNREACHED_ERRNOS:
+            return True
+        cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            return False
+    return False
 
 
 def is_refusal(status: int, code: Optional[str]) -> bool:

@@ -59,7 +59,8 @@ _MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]{32}-[0-9]+\Z")
 class ObsStore(ObsWire):
     def __init__(self, client: ObsClient, endpoint: str, masker: Masker, credential_source: str = CREDENTIAL_SOURCE,
                  presigner: Optional[signed.V4Presigner] = None, timeout: float = TIMEOUT_SECONDS):
-        super().__init__(client, signed.SignedRequests(client, timeout, presigner), masker, credential_source)
+        super().__init__(client, signed.SignedRequests(client, timeout, presigner), masker, credential_source,
+                         endpoint)
         self._endpoint = endpoint
         # upload id -> part number -> size, for the ObjectInfo of complete_multipart (the engine uses threads).
         self._part_sizes: Dict[str, Dict[int, int]] = {}

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from obs import ObsClient
 
-from ma_runtime.storage import signed
+from ma_runtime.storage import reach, signed
 from ma_runtime.storage.base import FileChanged, ObjectInfo, StorageError, TransientError, confirmed
 from ma_runtime.storage.obs import failures
 from ma_runtime.storage.obs.client import one_line
@@ -28,8 +28,11 @@ KMS_ENCRYPTION_HEADERS = ("x-amz-server-side-encryption", "x-obs-server-side-enc
 class ObsWire:
     """The client, the signed requests and the masker; ObsStore's operations send every request through here."""
 
-    def __init__(self, client: ObsClient, requests: signed.SignedRequests, masker: Masker, credential_source: str):
+    def __init__(self, client: ObsClient, requests: signed.SignedRequests, masker: Masker, credential_source: str,
+                 endpoint: str = ""):
         self._client = client
+        self.endpoint = endpoint
+        self._answered = False  # reach.py knows once: then a failure to connect is an outage, retried in full
         self._requests = requests
         self._masker = masker
         self._credential_source = credential_source
@@ -40,6 +43,7 @@ class ObsWire:
             resp = method(*args, **kwargs)
         except Exception as exc:
             raise self._failure_of_exception(exc, action, bucket, key) from exc
+        self._heard()
         if resp.status >= 300:
             raise self._failure_of_status(int(resp.status), resp.errorCode, resp.errorMessage, action, bucket, key)
         return resp
@@ -60,6 +64,7 @@ class ObsWire:
                               "(the request was left unfinished: nothing stored)") from None
         except Exception as exc:
             raise self._failure_of_exception(exc, action, bucket, key) from exc
+        self._heard()
         if response.status < 300:
             return response
         try:
@@ -92,8 +97,14 @@ class ObsWire:
                                               "not stored"))
         return confirmed(where, ObjectInfo(key, size, etag), md5_hex=md5_hex)
 
+    def _heard(self) -> None:
+        """The endpoint answered (any status): recorded for the run, once per store."""
+        if not self._answered:
+            self._answered = True
+            reach.answered(self.endpoint)
+
     def _failure_of_exception(self, exc: BaseException, action: str, bucket: str, key: str) -> StorageError:
-        return failures.of_exception(exc, f"{action} {object_url(bucket, key)}", self._masked)
+        return failures.of_exception(exc, f"{action} {object_url(bucket, key)}", self._masked, self.endpoint)
 
     def _failure_of_status(self, status: int, code: Optional[str], message: Optional[str], action: str, bucket: str,
                            key: str, one_object: bool = True) -> StorageError:
