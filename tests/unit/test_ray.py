@@ -14,6 +14,7 @@ import pytest
 from ma_runtime.errors import CommandNotFound, ExitCode
 from ma_runtime.launch import ray as ray_launcher
 from ma_runtime.launch import ray_node
+from tests.conftest import MA_RUN
 from tests.unit import test_plan as plans
 from tests.unit.test_plan import HOSTS, build, multi_node, plan_cli, which_from
 from tests.unit.test_ranks import PY, Table
@@ -92,11 +93,17 @@ def test_a_missing_ray_is_127_in_one_line(job, cli_env):
     with pytest.raises(CommandNotFound) as raised:
         ray_launcher.find_ray(["python3", "x.py"], {"PATH": "/nowhere:/not"}, which_from())
     assert raised.value.exit_code == ExitCode.COMMAND_NOT_FOUND == 127
-    cli_env.update(MA_RUN_METHOD="ray", PATH="/usr/bin:/bin")
-    result = plan_cli(["--", "/usr/bin/python3", "x.py"], cli_env)
+    cli_env.update(MA_RUN_METHOD="ray", PATH="/usr/bin:/bin", MA_RUNTIME_PREFLIGHT="off")
+    # The run stops there, in one line; the plan, which starts nothing, shows itself with the same as a warning.
+    result = subprocess.run([MA_RUN, "--", "/usr/bin/python3", "x.py"], env=cli_env, capture_output=True,
+                            text=True, timeout=60)
     assert result.returncode == 127, result.stderr
     assert "ray is not installed" in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if "error,exiting" in line]) == 1
+    planned = plan_cli(["--", "/usr/bin/python3", "x.py"], cli_env)
+    assert planned.returncode == 0, planned.stderr
+    assert "warning: MA_RUN_METHOD=ray, but ray is not installed" in planned.stdout
+    assert "exit 127" in planned.stdout
 
 
 def test_cli_plan_json_shows_the_head_and_the_joining_node(cli_env, tmp_path):

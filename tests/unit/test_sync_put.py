@@ -51,8 +51,13 @@ def truncate(path):
     os.truncate(path, 6 * MiB)
 
 
+def append(path, data: bytes) -> None:
+    with open(path, "ab") as handle:
+        handle.write(data)
+
+
 IN_PLACE = {"rewritten in place": lambda path: path.write_bytes(random_bytes(BIG, seed=7)) and None,
-            "appended to": lambda path: open(path, "ab").write(b"more"), "truncated": truncate}
+            "appended to": lambda path: append(path, b"more"), "truncated": truncate}
 
 
 def test_a_file_below_the_large_threshold_goes_up_in_one_put(obs_endpoint, tmp_path):
@@ -139,7 +144,7 @@ def test_a_log_growing_during_its_put_goes_up_as_the_snapshot_the_scan_saw(obs_e
                           large_threshold=THRESHOLD)
     snapshot = random_bytes(6 * MiB)
     path = write(log_channel.root / "train.log", snapshot)
-    obs.store.action = lambda: open(path, "ab").write(b"a line written during the upload\n")
+    obs.store.action = lambda: append(path, b"a line written during the upload\n")
 
     result = log_channel.cycle()
 
