@@ -186,6 +186,7 @@ class _Gate:
             signal.signal(signum, self._on_stop)
         for signum in PASSED_ON:
             signal.signal(signum, self._pass_on)
+        self._check()  # an agent already gone has no environment to compare with
         go = self._go()
         waiting = set(range(self.nproc))
         while waiting or self.let_go - set(self.exits):
@@ -298,8 +299,11 @@ def _torchrun_name(name):
 
 
 def _environ_of(pid):
-    with open(f"/proc/{pid}/environ", "rb") as handle:
-        entries = handle.read().split(b"\0")
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            entries = handle.read().split(b"\0")
+    except OSError:  # it ended since the last look: the next look says so
+        return {}
     pairs = (entry.decode(errors="surrogateescape").partition("=") for entry in entries if b"=" in entry)
     return {name: value for name, _, value in pairs}
 

@@ -3,6 +3,9 @@ as the run's service with a budget of its own that never runs out, each attempt'
 attempt's program; and the jobs whose torchrun is restarted whole instead. The real torchrun runs in
 tests/e2e/test_restart_launchers.py and test_job_launchers.py."""
 
+import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -68,3 +71,51 @@ def test_these_jobs_torchrun_is_restarted_whole(job, variables):
 
 def test_the_gate_kills_the_ranks_inside_the_runtimes_grace():
     assert [torchrun._kill_after(grace) for grace in (15.0, 3.0, 1.0)] == [13.0, 1.5, 0.5]
+
+
+# --------------------------------------------------------------------------- the gate and the shim, as processes
+
+
+def gate_run(tmp_path, agent_pid, program, attempt="2", nproc=1):
+    """The gate of attempt `attempt` for the agent `agent_pid` (any process: the gate reads its environment)."""
+    agent = tmp_path / "agent.json"
+    agent.write_text(json.dumps({"pid": agent_pid, "prefix": f"test-{os.getpid()}-{tmp_path.name}"}))
+    env = {**os.environ, "MA_PROC_START_CNT": attempt, "ONLY_THE_ATTEMPT_SETS": "this"}
+    argv = [sys.executable, "-I", torchrun_gate.__file__, "gate", "--agent", str(agent), "--nproc", str(nproc),
+            "--kill-after", "5", "--", *program]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def shim(tmp_path, local_rank, rank):
+    """A rank's shim as torchrun starts it: its own group, torchrun's per-rank variables."""
+    prefix = f"test-{os.getpid()}-{tmp_path.name}"
+    env = {**os.environ, torchrun_gate.PREFIX_ENV: prefix, "LOCAL_RANK": str(local_rank), "RANK": str(rank),
+           "MA_PROC_START_CNT": "1"}
+    return subprocess.Popen([sys.executable, "-u", torchrun_gate.__file__, "shim"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_the_gate_lets_each_rank_run_with_the_attempts_number_and_ends_as_the_first_failing_rank(tmp_path):
+    with subprocess.Popen(["sleep", "60"]) as agent:
+        shims = [shim(tmp_path, local_rank, 10 + local_rank) for local_rank in (0, 1)]
+        program = ["--program", "sh", "-c", 'echo "rank $RANK attempt $MA_PROC_START_CNT $ONLY_THE_ATTEMPT_SETS"; '
+                                            'exit $((RANK - 8))']
+        gate = gate_run(tmp_path, agent.pid, program, nproc=2)
+        out, err = gate.communicate(timeout=60)
+        agent.kill()
+    # Each rank's lines on the gate's own stdout; MA_PROC_START_CNT is the attempt's, RANK torchrun's.
+    assert sorted(out.splitlines()) == ["rank 10 attempt 2 this", "rank 11 attempt 2 this"]
+    # The first rank to fail is the attempt's (rank 10 exits 2, rank 11 exits 3: either may be first), as
+    # torchrun's own summary names it; each shim exits as its rank did.
+    assert gate.returncode in (2, 3) and "Root Cause (first observed failure):" in err, err
+    assert err.rstrip().endswith("=" * 60)
+    assert sorted(process.wait(timeout=30) for process in shims) == [2, 3]
+
+
+def test_the_gate_of_an_agent_that_is_gone_says_so_and_exits_1(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    gate = gate_run(tmp_path, gone.pid, ["--python", "train.py"])
+    _, err = gate.communicate(timeout=60)
+    assert gate.returncode == 1
+    assert f"torchrun's agent (pid {gone.pid}) is gone" in err and "Traceback" not in err
