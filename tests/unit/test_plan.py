@@ -774,7 +774,8 @@ def test_cli_plan_json_starts_nothing(cli_env, tmp_path, method):
         (agent,) = document["services"]
         assert agent["argv"][0] == str(tmp_path / "fake-bin" / method)
         assert agent["argv"][1:4] == ["--standalone", "--nnodes=1", "--nproc_per_node=2"]
-        assert worker["argv"][-3:] == ["--python", "train.py", "--x"]
+        # An interpreter named by its path runs the script itself (torchrun's --no-python, as restarted whole).
+        assert worker["argv"][-4:] == ["--program", "/opt/venv/bin/python", "train.py", "--x"]
     else:
         assert worker["argv"][0] == str(tmp_path / "fake-bin" / method)
         assert worker["argv"][-2:] == ["train.py", "--x"]
