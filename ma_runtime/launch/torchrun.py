@@ -206,7 +206,7 @@ def start_agent(spec, plan: Plan, environ: Mapping[str, str], log, sinks) -> Non
     path = agent_file(spec)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"pid": worker.pid, "prefix": prefix}) + "\n")
-    log.info("torchrun started for the run: its ranks restart in place", pid=worker.pid,
+    log.info("torchrun started for the run: its ranks restart in place", pid=worker.pid, argv=list(agent.argv),
              processes_per_node=plan.processes_per_node)
 
 
