@@ -16,8 +16,11 @@ the same number of processes as its anchor.
   torchrun (2 ranks)           the same with --nproc-per-node=2: both ranks die
   ma-run (plain, 1 process)    ma-run python SCRIPT, MA_RUNTIME_MAX_RESTARTS=1: ma-run relaunches
                                the command
-  ma-run (torchrun, 2 ranks)   MA_RUN_METHOD=torchrun, 2 ranks, torchrun's own --max-restarts=0:
-                               ma-run restarts the torchrun job (as it does on the platform)
+  ma-run (torchrun, 2 ranks)   MA_RUN_METHOD=torchrun, 2 ranks: ma-run restarts the torchrun job in place
+                               (the default: one torchrun agent for the run, its ranks let go by each
+                               attempt's gate; docs/torchrun-in-place.md)
+  ma-run (torchrun whole)      the same with MA_RUNTIME_TORCHRUN_IN_PLACE=off: a new torchrun per attempt
+                               (torchrun's own --max-restarts=0), as before issue 29; reported, not judged
 
 The device wait is the default (MA_RUNTIME_DEVICE_RELEASE_SECONDS unset, 60 s): with no accelerator
 the runtime checks once and goes on, and torchrun checks nothing, so both sides pay what they pay
@@ -64,11 +67,13 @@ TORCHRUN_ONE = "torchrun (1 rank)"
 TORCHRUN_TWO = "torchrun (2 ranks)"
 MA_RUN_PLAIN = "ma-run (plain, 1 process)"
 MA_RUN_TORCHRUN = "ma-run (torchrun, 2 ranks)"
-ROWS = (TORCHRUN_ONE, TORCHRUN_TWO, MA_RUN_PLAIN, MA_RUN_TORCHRUN)
-ANCHOR_OF = {MA_RUN_PLAIN: TORCHRUN_ONE, MA_RUN_TORCHRUN: TORCHRUN_TWO}  # the same number of processes
+MA_RUN_WHOLE = "ma-run (torchrun whole)"
+ROWS = (TORCHRUN_ONE, TORCHRUN_TWO, MA_RUN_PLAIN, MA_RUN_TORCHRUN, MA_RUN_WHOLE)
+# The same number of processes; the whole restart is compared too, and judged by no goal.
+ANCHOR_OF = {MA_RUN_PLAIN: TORCHRUN_ONE, MA_RUN_TORCHRUN: TORCHRUN_TWO, MA_RUN_WHOLE: TORCHRUN_TWO}
 SHORT = {TORCHRUN_ONE: "torchrun 1", TORCHRUN_TWO: "torchrun 2", MA_RUN_PLAIN: "ma-run plain",
-         MA_RUN_TORCHRUN: "ma-run torchrun"}  # the per-round table's columns
-OURS = (MA_RUN_PLAIN, MA_RUN_TORCHRUN)
+         MA_RUN_TORCHRUN: "ma-run torchrun", MA_RUN_WHOLE: "torchrun whole"}  # the per-round table's columns
+OURS = (MA_RUN_PLAIN, MA_RUN_TORCHRUN, MA_RUN_WHOLE)
 # The caller's job settings would change what ma-run and torchrun do (a platform restart count, torchrun flags).
 FOREIGN_PREFIXES = ("MA_", "PET_", "TORCHELASTIC_", "VC_", "RANK_TABLE")
 MARK_LINE = re.compile(r"^(died|first) attempt=(\d+) rank=(\d+) ns=(\d+)$")
@@ -148,13 +153,14 @@ def commands(python: str, ma_run: str, worker: str, run_seconds: float) -> Dict[
     script = [worker, repr(run_seconds)]
     group = [torchrun, "--standalone", "--max-restarts=1"]
     restarts = {"MA_RUNTIME_MAX_RESTARTS": "1"}  # the device wait stays the default: see the docstring
+    torchrun_job = {**restarts, "MA_RUN_METHOD": "torchrun", "MA_NUM_GPUS": "0", "MA_RUNTIME_NPROC_PER_NODE": "2"}
     return {
         TORCHRUN_ONE: ([*group, "--nproc-per-node=1", *script], {}),
         TORCHRUN_TWO: ([*group, "--nproc-per-node=2", *script], {}),
         MA_RUN_PLAIN: ([ma_run, python, *script], {**restarts, "MA_RUN_METHOD": "plain"}),
-        MA_RUN_TORCHRUN: ([ma_run, python, *script], {
-            **restarts, "MA_RUN_METHOD": "torchrun", "MA_NUM_GPUS": "0", "MA_RUNTIME_NPROC_PER_NODE": "2",
-            "MA_EXTRA_TORCHRUN_PARAMS": "--max-restarts=0"}),
+        MA_RUN_TORCHRUN: ([ma_run, python, *script], torchrun_job),
+        MA_RUN_WHOLE: ([ma_run, python, *script], {**torchrun_job, "MA_RUNTIME_TORCHRUN_IN_PLACE": "off",
+                                                   "MA_EXTRA_TORCHRUN_PARAMS": "--max-restarts=0"}),
     }
 
 
@@ -253,7 +259,8 @@ def print_rounds(samples: Dict[str, List[harness.Sample]]) -> None:
     """Each round's figures side by side, and each ma-run row / its torchrun anchor within it."""
     print("\nper round (ms), and each ma-run row / the torchrun row of as many processes within the round")
     header = "".join(f" {SHORT[name]:>15}" for name in ROWS)
-    print(f"  {'round':<6}{header} {'plain/torchrun 1':>17} {'ma-run torchrun/torchrun 2':>27}")
+    print(f"  {'round':<6}{header} {'plain/torchrun 1':>17} {'ma-run torchrun/torchrun 2':>27} "
+          f"{'whole/torchrun 2':>17}")
     by_round: Dict[int, Dict[str, Optional[float]]] = {}
     for name in ROWS:
         for sample in samples[name]:
@@ -262,7 +269,7 @@ def print_rounds(samples: Dict[str, List[harness.Sample]]) -> None:
         figures = by_round[index]
         cells = "".join(f" {scaled_text(figures.get(name)):>15}" for name in ROWS)
         ratios = [round_ratio(figures.get(ours), figures.get(ANCHOR_OF[ours])) for ours in OURS]
-        print(f"  {index + 1:<6}{cells} {ratios[0]:>17} {ratios[1]:>27}")
+        print(f"  {index + 1:<6}{cells} {ratios[0]:>17} {ratios[1]:>27} {ratios[2]:>17}")
 
 
 def scaled_text(seconds: Optional[float]) -> str:

@@ -29,12 +29,28 @@ names the first observed failure, e.g.:
       exitcode  : 3 (pid: 19876)
 
 The runtime reports that rank and its exit code instead of torchrun's 1.
+
+Restarted in place (docs/torchrun-in-place.md; MA_RUNTIME_TORCHRUN_IN_PLACE, on by default): torchrun's agent
+is the job's service, started once per run with a restart budget that never runs out, and restarts its ranks
+itself; each rank is torchrun_gate.py's shim, which waits until the attempt's worker, torchrun_gate.py's gate,
+lets it go with the attempt's environment (MA_PROC_START_CNT with it). The runtime's attempt loop, its policy and
+the job-wide agreement are unchanged: a restart costs what torchrun's own costs, not a new agent's torch import.
+The agent is restarted whole instead (one `torchrun` per attempt, as before) on several nodes (their static
+rendezvous keeps one store across restarts: see _FRESH_STORE), where MA_EXTRA_TORCHRUN_PARAMS names --max-restarts
+(the job asks for torchrun's own restarts inside an attempt), --module or --no-python (the program is not the shim
+then), or processes per node that are no number (`auto`, `gpu`).
 """
 
+import json
+import os
 import re
+import sys
+import time
+from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence, Set
 
 from ma_runtime.errors import ConfigError
+from ma_runtime.launch import torchrun_gate
 from ma_runtime.launch.base import (
     PYTHON,
     Context,
@@ -51,7 +67,7 @@ from ma_runtime.launch.base import (
     split_extra,
 )
 from ma_runtime.launch.role import JobVariables, role
-from ma_runtime.setting import Setting, port, text
+from ma_runtime.setting import Setting, port, switch, text
 
 # This launcher's own settings: spec's table collects them through launch.registry (setting.py: a row).
 SETTINGS = (
@@ -59,7 +75,21 @@ SETTINGS = (
             "multi-node jobs", 18888, cli=False, owner=__name__),
     Setting("extra_torchrun_params", "MA_EXTRA_TORCHRUN_PARAMS", text, "extra torchrun flags; one it names "
             "replaces the preset one", "", cli=False, owner=__name__),
+    Setting("torchrun_in_place", "MA_RUNTIME_TORCHRUN_IN_PLACE", switch, "restart a torchrun job in place: one "
+            "torchrun agent for the run restarts its ranks at each attempt the runtime decides (off: a new "
+            "torchrun per attempt)", True, cli=False, owner=__name__),
 )
+GATE = "torchrun-gate"  # the worker of an attempt restarted in place
+# The agent's own budget: the runtime's policy decides every restart; the agent must never be the one to stop.
+AGENT_RESTARTS = 1_000_000
+# A new store for the ranks of every restart: by default torch 2.4+ lets its ranks share the rendezvous' TCPStore
+# across restarts, and gloo's ranks of a restart then read the addresses the last attempt's ranks left there
+# ("Connection refused", or a hang in init_process_group: torchrun's own --max-restarts fails so here). With it, each
+# round gets a free port and the ranks' rank 0 hosts their store, as a torchrun restarted whole gives them.
+_FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# Flags that leave the program no shim (--module, --no-python), or that the job gives to have torchrun's own
+# restarts inside one attempt (--max-restarts): such a job's torchrun is restarted whole.
+_NOT_IN_PLACE = ("max_restarts", "module", "no_python")
 _COUNT = re.compile(r"[0-9]+\Z")
 _ROOT = "Root Cause (first observed failure):"
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -71,21 +101,42 @@ class Torchrun(Launcher):
     TAKES_NPROC_PER_NODE = True
     # After a stop: torchrun's agent raises SignalException and exits 1, whatever its ranks did.
     OWN_CODE_AFTER_STOP = False
-    WORKERS = re.compile(r"torchrun\Z")
+    WORKERS = re.compile(rf"(torchrun|{GATE})\Z")
     # torch elastic's agent, by its script, its modules, and the name torch gives its main thread
     # (torch/distributed/run.py `run`), which also covers a launcher that runs the agent in its own process.
-    MACHINERY = Machinery(scripts=frozenset({"torchrun"}),
+    # Restarted in place, the agent is a service: below it (it is a daemon then) are the ranks, each below its
+    # shim (torchrun_gate.py, machinery as the gate is).
+    MACHINERY = Machinery(scripts=frozenset({"torchrun", os.path.basename(torchrun_gate.__file__)}),
                           modules=frozenset({"torch.distributed.run", "torch.distributed.launch"}),
-                          processes=frozenset({"pt_elastic"}))
+                          processes=frozenset({"pt_elastic"}), daemons=frozenset({"pt_elastic"}))
 
     def build(self, spec, context: Context, why: str) -> Plan:
         launcher = find_launcher(context, "torchrun", "torch (pip install torch)")
         flags = _flags(spec)
-        argv = [launcher, *flags, *_program(context.argv)]
-        worker = WorkerPlan(self.NAME, tuple(argv), common_env(spec, context.attempt),
-                            logs={"task": str(spec.task_log_path)})
         # What torchrun will do, so read from its flags (MA_EXTRA_TORCHRUN_PARAMS may have replaced the preset ones).
-        return Plan(self.NAME, why, (worker,), _flag_value(flags, "nnodes"), _flag_value(flags, "nproc_per_node"))
+        nodes, count = _flag_value(flags, "nnodes"), _flag_value(flags, "nproc_per_node")
+        env = common_env(spec, context.attempt)
+        logs = {"task": str(spec.task_log_path)}
+        if not in_place(spec, flags, count):
+            worker = WorkerPlan(self.NAME, (launcher, *flags, *_program(context.argv)), env, logs=logs)
+            return Plan(self.NAME, why, (worker,), nodes, count)
+        agent = WorkerPlan(self.NAME, (launcher, *flags, f"--max-restarts={AGENT_RESTARTS}", torchrun_gate.__file__,
+                                       "shim"), {**_FRESH_STORE, **env}, logs=logs)
+        # The program is the attempt's: the gate gives it to each rank with the attempt's environment.
+        gate = WorkerPlan(GATE, (sys.executable, "-I", torchrun_gate.__file__, "gate", "--agent",
+                                 str(agent_file(spec)), "--nproc", str(count), "--kill-after",
+                                 f"{_kill_after(spec.stop_grace_seconds):g}", "--", *_shim_program(context.argv)),
+                          env, logs=logs)
+        return Plan(self.NAME, why, (gate,), nodes, count, services=(agent,))
+
+    def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks, command=()) -> None:
+        """The agent of a job restarted in place, once for the run: its ranks wait at the gate of each attempt."""
+        from ma_runtime.launch import plan as plan_module
+
+        plan = plan_module.build(spec, Context(command, environ))
+        if not plan.services:
+            return
+        start_agent(spec, plan, environ, log, sinks)
 
     def job_variables(self, spec, context: Context, plan: Plan) -> JobVariables:
         """What torchrun is given, MA_EXTRA_TORCHRUN_PARAMS included (torchrun gives its ranks MASTER_ADDR and
@@ -119,6 +170,50 @@ class Torchrun(Launcher):
 
 
 LAUNCHER = Torchrun()
+
+
+# --------------------------------------------------------------------------- restarted in place
+
+
+def in_place(spec, flags: Sequence[str], count: Any) -> bool:
+    """Whether this job's torchrun is restarted in place (the module docstring says when not)."""
+    return (bool(spec.torchrun_in_place) and spec.num_hosts <= 1 and isinstance(count, int) and "-m" not in flags
+            and not _flag_names(flags) & set(_NOT_IN_PLACE))
+
+
+def agent_file(spec) -> Path:
+    """Where the agent's pid and its gate's socket names are, for each attempt's gate: one per pod."""
+    return spec.state_dir / f"torchrun-agent-{spec.task_name}-{spec.task_index}.json"
+
+
+def _kill_after(grace: float) -> float:
+    """The gate's own deadline for its ranks' SIGKILL, inside the runtime's grace (which ends the gate itself, and
+    the ranks are in the service's tree, not the gate's)."""
+    return max(grace / 2, grace - 2.0)
+
+
+def start_agent(spec, plan: Plan, environ: Mapping[str, str], log, sinks) -> None:
+    """torchrun's agent as the job's service, with its environment as the first attempt's worker would have it
+    (the job's variables); the gate tells each rank what a later attempt changes."""
+    from ma_runtime.process import children
+    from ma_runtime.process.worker import spawn
+
+    (agent,), (gate,) = plan.services, plan.workers
+    prefix = f"ma-runtime-torchrun-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**agent.env, **environ, **gate.env, torchrun_gate.PREFIX_ENV: prefix}  # the job's own values win
+    worker = children.start_service(lambda: spawn(agent.argv, env, None, list(sinks), list(sinks), name=agent.name),
+                                    graceful=True)
+    path = agent_file(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": worker.pid, "prefix": prefix}) + "\n")
+    log.info("torchrun started for the run: its ranks restart in place", pid=worker.pid, argv=list(agent.argv),
+             processes_per_node=plan.processes_per_node)
+
+
+def _shim_program(argv: Sequence[str]) -> List[str]:
+    """The shim's view of the command: `--python SCRIPT ARGS` (torchrun's way), else `--program PROG ARGS`."""
+    program = _program(argv)
+    return ["--program", *program[1:]] if program[0] == "--no-python" else ["--python", *program]
 
 
 # --------------------------------------------------------------------------- the plan's flags

@@ -5,6 +5,7 @@ MA_RUNTIME_HANG_DETECT=on; the window is 5 s (period 1 s, start-up allowance 10 
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def assert_found_naming_rank_1(env, result):
     assert detected_after_the_last_step(env) > 0
     message = termination(env)
     assert message["exit_code"] == 83 and message["rank"] == 1, message
-    assert "pt_elastic" not in message["reason"] and "ma_runtime/" not in result.stderr  # no traceback of ours
+    # No traceback of ours (the argv the runtime logs names its own files: torchrun's gate).
+    assert "pt_elastic" not in message["reason"] and not re.search(r'File "[^"]*ma_runtime/', result.stderr)
     return message["reason"]
 
 
@@ -60,6 +62,23 @@ def test_torchrun_two_ranks_one_in_a_barrier_one_blocked_is_found_and_the_blocke
     assert "in barrier" in reason, reason
     (stack,) = [event for event in named(env, "stack of a hung process") if event["process"] == "rank 1"]
     assert "wait" in stack["at"]
+
+
+@needs_torch
+def test_torchrun_a_hung_attempt_is_restarted_in_place_and_its_ranks_run_as_attempt_2(job_env, tmp_path):
+    # Attempt 1 hangs; the hang restart runs attempt 2 on the same torchrun agent, and it ends well.
+    env = hang_env(job_env, tmp_path, MODE="torch", MA_RUN_METHOD="torchrun", MA_NUM_GPUS=2,
+                   MA_RUNTIME_HANG_RESTARTS=1, HANG_ATTEMPTS=1)
+
+    result = run_ma(["python", str(JOB)], env, timeout=240)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(named(env, "job suspected hung")) == 1
+    assert [event["attempt"] for event in named(env, "restarting command")] == [2]
+    assert len(named(env, "torchrun started for the run: its ranks restart in place")) == 1
+    # Each rank's MA_PROC_START_CNT named its attempt: both attempts' ranks made their steps.
+    assert sorted(path.name for path in Path(env["MARKS"]).glob("steps-*")) == [
+        "steps-1-0", "steps-1-1", "steps-2-0", "steps-2-1"]
 
 
 def _has_mpi4py() -> bool:

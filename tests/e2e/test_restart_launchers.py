@@ -149,9 +149,50 @@ def test_rtf_with_restarts_off_a_failing_rank_ends_the_job_with_its_code_as_befo
 
 
 @needs_torch
+def test_torchrun_is_restarted_in_place_by_its_one_agent_and_each_rank_has_its_attempt(job_env, tmp_path):
+    env = launcher_env(job_env, TORCH_BIN, MA_RUN_METHOD="torchrun", MA_NUM_GPUS=0, MA_RUNTIME_NPROC_PER_NODE=2,
+                       MA_RUNTIME_MAX_RESTARTS=2, MARKS=marks_dir(tmp_path))
+
+    done = run_ma(["python", str(JOBS / "restart_torch.py")], env, timeout=240)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("torchrun started for the run: its ranks restart in place") == 1, done.stderr[-3000:]
+    started = re.findall(r'msg="starting command".*method=torchrun.* attempt=(\d+)', done.stderr)
+    assert started == ["1", "2"]
+    # MA_PROC_START_CNT in every rank is the runtime's attempt; one agent ran both, each rank under a shim of its
+    # attempt, and nothing of attempt 1's ranks lived on when attempt 2's started.
+    records = starts(env)
+    assert sorted(records) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert len({record["agent"] for record in records.values()}) == 1, records
+    assert records[1, 0]["launcher"] != records[2, 0]["launcher"]
+    for rank in (0, 1):
+        assert f"rank {rank} attempt 2: all_reduce=3.0" in done.stdout
+    assert nothing_earlier_alive(done.stdout, (0, 1))
+
+
+@needs_torch
+def test_torchrun_in_place_the_same_failure_limit_ends_the_job_and_its_agent(job_env, tmp_path):
+    env = launcher_env(job_env, TORCH_BIN, MA_RUN_METHOD="torchrun", MA_NUM_GPUS=0, MA_RUNTIME_NPROC_PER_NODE=2,
+                       MA_RUNTIME_MAX_RESTARTS=5, MA_RUNTIME_SAME_FAILURE_LIMIT=2, FAIL_ATTEMPTS=99,
+                       MARKS=marks_dir(tmp_path))
+
+    done = run_ma(["python", str(JOBS / "restart_torch.py")], env, timeout=240)
+
+    assert done.returncode == 82, done.stderr[-3000:]
+    # The agent had started attempt 3's ranks, waiting at the gate: none ran, and the run's end stopped them all.
+    records = starts(env)
+    assert sorted(records) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    message = termination(env)
+    assert (message["rank"], message["attempt"], len(message["attempts"])) == (1, 2, 2), message
+    assert "the same failure 2 times in a row" in message["reason"], message
+    (agent,) = {record["agent"] for record in records.values()}
+    assert not Path(f"/proc/{agent}").exists()
+
+
+@needs_torch
 def test_torchrun_is_restarted_whole_and_the_second_attempt_all_reduces(job_env, tmp_path):
     env = launcher_env(job_env, TORCH_BIN, MA_RUN_METHOD="torchrun", MA_NUM_GPUS=0, MA_RUNTIME_NPROC_PER_NODE=2,
-                       MA_RUNTIME_MAX_RESTARTS=1, MARKS=marks_dir(tmp_path))
+                       MA_RUNTIME_MAX_RESTARTS=1, MARKS=marks_dir(tmp_path), MA_RUNTIME_TORCHRUN_IN_PLACE="off")
 
     done = run_ma(["python", str(JOBS / "restart_torch.py")], env, timeout=240)
 
@@ -164,6 +205,7 @@ def test_torchrun_is_restarted_whole_and_the_second_attempt_all_reduces(job_env,
     assert nothing_earlier_alive(done.stdout, (0, 1))
     records = starts(env)
     assert records[1, 0]["launcher"] != records[2, 0]["launcher"]
+    assert records[1, 0]["agent"] != records[2, 0]["agent"]  # a new torchrun
 
 
 @needs_mindspore

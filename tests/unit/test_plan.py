@@ -54,7 +54,10 @@ def job(tmp_path):
     dev.mkdir()
 
     def make(**variables):
-        environ = {"MA_HOME": str(tmp_path / "home"), "MA_RUNTIME_PREFLIGHT_DEV_DIR": str(dev), "PATH": PATH}
+        # torchrun's flags and program are asserted on the torchrun of an attempt (restarted whole); the plan of a
+        # job restarted in place, its agent as a service and its gate, has tests of its own (test_torchrun_gate.py).
+        environ = {"MA_HOME": str(tmp_path / "home"), "MA_RUNTIME_PREFLIGHT_DEV_DIR": str(dev), "PATH": PATH,
+                   "MA_RUNTIME_TORCHRUN_IN_PLACE": "off"}
         environ.update({name: str(value) for name, value in variables.items()})
         return spec.load({}, environ), environ
 
@@ -767,10 +770,15 @@ def test_cli_plan_json_starts_nothing(cli_env, tmp_path, method):
     document = json.loads(result.stdout)
     assert document["method"] == method
     (worker,) = document["workers"]
-    assert worker["argv"][0] == str(tmp_path / "fake-bin" / method)
-    assert worker["argv"][-2:] == ["train.py", "--x"]
-    if method == "torchrun":
-        assert worker["argv"][1:4] == ["--standalone", "--nnodes=1", "--nproc_per_node=2"]
+    if method == "torchrun":  # restarted in place: the agent is the run's service, each attempt's worker its gate
+        (agent,) = document["services"]
+        assert agent["argv"][0] == str(tmp_path / "fake-bin" / method)
+        assert agent["argv"][1:4] == ["--standalone", "--nnodes=1", "--nproc_per_node=2"]
+        # An interpreter named by its path runs the script itself (torchrun's --no-python, as restarted whole).
+        assert worker["argv"][-4:] == ["--program", "/opt/venv/bin/python", "train.py", "--x"]
+    else:
+        assert worker["argv"][0] == str(tmp_path / "fake-bin" / method)
+        assert worker["argv"][-2:] == ["train.py", "--x"]
     assert not (tmp_path / "launcher-ran").exists()
 
 
@@ -790,7 +798,7 @@ def test_cli_plan_masks_a_secret_in_extra_torchrun_params(cli_env, tmp_path):
     result = plan_cli(["--json", "--", "python", "train.py"], cli_env)
     assert result.returncode == 0, result.stderr
     assert secret not in result.stdout and secret not in result.stderr
-    assert "--rdzv_conf=store_key=******" in json.loads(result.stdout)["workers"][0]["argv"]
+    assert "--rdzv_conf=store_key=******" in json.loads(result.stdout)["services"][0]["argv"]
 
 
 def test_cli_plan_plain_masks_secret_values_and_starts_nothing(cli_env, tmp_path):

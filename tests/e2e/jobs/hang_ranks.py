@@ -2,7 +2,7 @@
 wall-clock time when a rank stops making progress.
 
 - torch: torch.distributed (gloo), 10 all_reduce steps, then rank 0 waits in dist.barrier() and rank 1 blocks in
-  threading.Event().wait(): the hang of issue 24, under torchrun;
+  threading.Event().wait(): the hang of issue 24, under torchrun; an attempt past HANG_ATTEMPTS ends there instead;
 - mpi: the same with mpi4py under mpirun: rank 0 busy-polls in MPI_Barrier (Open MPI spins a core), rank 1 blocks;
 - ms: MindSpore's init() under msrun (its scheduler keeps logging), one step, then every rank blocks;
 - busy: spins for SECONDS (no IO, no syscalls); burst: computes 70 ms and sleeps 30 ms for SECONDS; each at the
@@ -20,6 +20,7 @@ import time
 MODE = os.environ["MODE"]
 MARKS = os.environ.get("MARKS", ".")
 ATTEMPT = int(os.environ.get("MA_PROC_START_CNT", "1"))
+HANG_ATTEMPTS = int(os.environ.get("HANG_ATTEMPTS", "1000000"))  # torch: the attempts that hang
 
 
 def mark(rank: int) -> None:
@@ -44,6 +45,10 @@ def torch_job() -> None:
     for _ in range(10):
         dist.all_reduce(tensor)
     mark(rank)
+    if ATTEMPT > HANG_ATTEMPTS:  # a later attempt that no longer hangs
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if rank == 0:
         dist.barrier()
     threading.Event().wait()

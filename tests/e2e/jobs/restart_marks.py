@@ -1,8 +1,8 @@
 """What the restart jobs' ranks share: a record of each start, and whether an earlier attempt lives on.
 
 MARKS=<dir> (set by the test). Each rank of each attempt writes `<dir>/start-<attempt>-<rank>.json`
-(its pid, its launcher's pid when a launcher started it, the time it started) and, if it exits by
-itself or on SIGTERM, `<dir>/exit-<attempt>-<rank>` (the time). The attempt is MA_PROC_START_CNT.
+(its pid, its launcher's pid when a launcher started it, the time it started, torchrun's agent above it) and,
+if it exits by itself or on SIGTERM, `<dir>/exit-<attempt>-<rank>` (the time). The attempt is MA_PROC_START_CNT.
 
 `survivors` is what a rank of a later attempt checks as it starts: the pids that earlier attempts
 recorded and that still run. The ranks print it, so the test asserts it from their output: from
@@ -27,7 +27,8 @@ def say(text):
 
 def register(rank, launched=False):
     """Records this start; with `launched`, our parent (torchrun, msrun) counts as the attempt's too."""
-    record = {"pid": os.getpid(), "launcher": os.getppid() if launched else None, "started": time.time()}
+    record = {"pid": os.getpid(), "launcher": os.getppid() if launched else None, "started": time.time(),
+              "agent": _ancestor("pt_elastic")}
     _write(f"start-{ATTEMPT}-{rank}.json", json.dumps(record))
     # A worker is stopped with SIGTERM: note when, then go the way an unhandled one would.
     signal.signal(signal.SIGTERM, lambda signum, _frame: _die(rank, signum))
@@ -63,6 +64,21 @@ def _die(rank, signum):
     _write(f"exit-{ATTEMPT}-{rank}", str(time.time()))
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _ancestor(name):
+    """The nearest ancestor whose process name is `name` (torch names its agent's main thread pt_elastic), or None."""
+    pid = os.getppid()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                data = handle.read()
+        except OSError:
+            return None
+        if data[data.find(b"(") + 1:data.rfind(b")")].decode(errors="replace") == name:
+            return pid
+        pid = int(data[data.rfind(b")") + 2:].split()[1])
+    return None
 
 
 def _alive(pid):
