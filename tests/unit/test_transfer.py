@@ -697,6 +697,20 @@ def test_access_denied_fails_at_once(tmp_path):
     assert len(counting.reads) == 1
 
 
+def test_after_a_small_file_fails_no_worker_starts_another(obs_endpoint, tmp_path):
+    """Small files are taken from one queue by each worker in turn: a failure ends the worker, and the stop it
+    causes ends the others before their next file (one worker here: nothing after the failing first file)."""
+    source = Source("obs-v4", tmp_path, obs_endpoint)
+    source.put_many({f"f{index:03d}": b"x" * 100 for index in range(50)})
+    counting = CountingStore(FailAfterReads(source.store(), "f000", allowed=0, error=AccessDenied))
+
+    with pytest.raises(AccessDenied):
+        transfer.download(counting, source.location(""), tmp_path / "dest", options(tmp_path, workers=1), Log())
+
+    assert [key for key, _ in counting.reads] == ["f000"]
+    assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
+
+
 # --------------------------------------------------------------------------- upload
 
 
