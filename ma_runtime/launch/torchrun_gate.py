@@ -52,6 +52,7 @@ TORCHRUN_NAMES = frozenset({
 TORCHRUN_PREFIXES = ("TORCHELASTIC_",)
 POLL_SECONDS = 0.25  # how often the gate looks at the agent and its deadline while it waits
 SEND_EVERY = 0.005  # how often the gate tries a rank socket that is not bound yet (the rank is starting)
+PARENT_CHECK_SECONDS = 1.0  # how often a waiting shim looks whether its agent is still there
 # A unix datagram carries at most the socket's send buffer (net.core.wmem_max, 208 KiB by default).
 SEND_BUFFER = 4 * 1024 * 1024
 PASSED_ON = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -87,7 +88,7 @@ def shim(_argv):
     prefix, local_rank = os.environ[PREFIX_ENV], os.environ.get("LOCAL_RANK", "0")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     _bind(sock, _address(prefix, "rank-" + local_rank))
-    message, descriptors, _, _ = sock.recvmsg(SEND_BUFFER, socket.CMSG_SPACE(2 * OUTPUTS.itemsize))
+    message, descriptors = _wait_for_go(sock)
     outputs = _descriptors(descriptors)
     go = json.loads(message.decode())
     sock.close()  # the next generation's shim of this rank binds the name
@@ -124,6 +125,21 @@ def shim(_argv):
     returncode = _status(code)
     _tell(report, gate, {"exit": go["attempt"], "local_rank": local_rank, "returncode": returncode})
     _exit_as(returncode)
+
+
+def _wait_for_go(sock):
+    """The gate's `go` (the message and its descriptors). A shim whose agent is gone (its parent changed: killed,
+    not stopped, so it could not end its ranks) exits instead: no gate will ever come for it."""
+    agent = os.getppid()
+    sock.settimeout(PARENT_CHECK_SECONDS)
+    while True:
+        try:
+            message, descriptors, _, _ = sock.recvmsg(SEND_BUFFER, socket.CMSG_SPACE(2 * OUTPUTS.itemsize))
+            return message, descriptors
+        except socket.timeout:
+            if os.getppid() != agent:
+                sys.stderr.write(f"torchrun's rank {os.environ.get('RANK')}: its agent (pid {agent}) is gone\n")
+                os._exit(1)
 
 
 def _descriptors(ancillary):

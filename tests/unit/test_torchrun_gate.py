@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from ma_runtime.launch import torchrun, torchrun_gate
 from ma_runtime.spec import load
+from tests.conftest import alive
 from tests.unit.test_plan import PATH, build, which_from
 
 
@@ -95,9 +97,20 @@ def shim(tmp_path, local_rank, rank):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_the_gate_lets_each_rank_run_with_the_attempts_number_and_ends_as_the_first_failing_rank(tmp_path):
+@pytest.fixture
+def shims():
+    """Shims started by a test; any still waiting at its end is killed (a test that failed leaves none behind)."""
+    started = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_the_gate_lets_each_rank_run_with_the_attempts_number_and_ends_as_the_first_failing_rank(tmp_path, shims):
     with subprocess.Popen(["sleep", "60"]) as agent:
-        shims = [shim(tmp_path, local_rank, 10 + local_rank) for local_rank in (0, 1)]
+        shims += [shim(tmp_path, local_rank, 10 + local_rank) for local_rank in (0, 1)]
         program = ["--program", "sh", "-c", 'echo "rank $RANK attempt $MA_PROC_START_CNT $ONLY_THE_ATTEMPT_SETS"; '
                                             'exit $((RANK - 8))']
         gate = gate_run(tmp_path, agent.pid, program, nproc=2)
@@ -119,3 +132,24 @@ def test_the_gate_of_an_agent_that_is_gone_says_so_and_exits_1(tmp_path):
     _, err = gate.communicate(timeout=60)
     assert gate.returncode == 1
     assert f"torchrun's agent (pid {gone.pid}) is gone" in err and "Traceback" not in err
+
+
+def test_a_waiting_shim_whose_agent_is_gone_exits(tmp_path):
+    # The shim's parent is its agent: killed (not stopped, so it could not end its ranks), no gate comes any more.
+    prefix = f"test-{os.getpid()}-{tmp_path.name}"
+    env = {**os.environ, torchrun_gate.PREFIX_ENV: prefix, "LOCAL_RANK": "0", "RANK": "4"}
+    # The stand-in agent leaves once its shim waits at the gate (its socket bound), so the shim saw it as its parent.
+    script = (f"import subprocess, sys, time\n"
+              f"shim = subprocess.Popen([sys.executable, '-u', {torchrun_gate.__file__!r}, 'shim'], "
+              f"stderr=open({str(tmp_path / 'err')!r}, 'w'))\n"
+              f"guard = time.monotonic() + 20\n"
+              f"while '@{prefix}-rank-0' not in open('/proc/net/unix').read() and time.monotonic() < guard:\n"
+              f"    time.sleep(0.02)\n"
+              f"print(shim.pid, flush=True)\n")
+    agent = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    pid = int(agent.stdout)  # the agent has exited: its shim is an orphan now
+    guard = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < guard:
+        time.sleep(0.05)
+    assert not alive(pid)
+    assert "torchrun's rank 4: its agent" in (tmp_path / "err").read_text()
