@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence, Set
 
 from ma_runtime.errors import ConfigError
-from ma_runtime.launch import torchrun_gate
 from ma_runtime.launch.base import (
     PYTHON,
     Context,
@@ -80,6 +79,10 @@ SETTINGS = (
             "torchrun per attempt)", True, cli=False, owner=__name__),
 )
 GATE = "torchrun-gate"  # the worker of an attempt restarted in place
+# torchrun_gate.py by its path, not imported: it runs in the job's Python, and every run imports this module for
+# its SETTINGS (the gate's socket and json are no start-up's). Its PREFIX_ENV, which a test holds to this name.
+GATE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_gate.py")
+GATE_PREFIX_ENV = "MA_RUNTIME_TORCHRUN_GATE"
 # The agent's own budget: the runtime's policy decides every restart; the agent must never be the one to stop.
 AGENT_RESTARTS = 1_000_000
 # A new store for the ranks of every restart: by default torch 2.4+ lets its ranks share the rendezvous' TCPStore
@@ -106,7 +109,7 @@ class Torchrun(Launcher):
     # (torch/distributed/run.py `run`), which also covers a launcher that runs the agent in its own process.
     # Restarted in place, the agent is a service: below it (it is a daemon then) are the ranks, each below its
     # shim (torchrun_gate.py, machinery as the gate is).
-    MACHINERY = Machinery(scripts=frozenset({"torchrun", os.path.basename(torchrun_gate.__file__)}),
+    MACHINERY = Machinery(scripts=frozenset({"torchrun", os.path.basename(GATE_SCRIPT)}),
                           modules=frozenset({"torch.distributed.run", "torch.distributed.launch"}),
                           processes=frozenset({"pt_elastic"}), daemons=frozenset({"pt_elastic"}))
 
@@ -120,10 +123,10 @@ class Torchrun(Launcher):
         if not in_place(spec, flags, count):
             worker = WorkerPlan(self.NAME, (launcher, *flags, *_program(context.argv)), env, logs=logs)
             return Plan(self.NAME, why, (worker,), nodes, count)
-        agent = WorkerPlan(self.NAME, (launcher, *flags, f"--max-restarts={AGENT_RESTARTS}", torchrun_gate.__file__,
+        agent = WorkerPlan(self.NAME, (launcher, *flags, f"--max-restarts={AGENT_RESTARTS}", GATE_SCRIPT,
                                        "shim"), {**_FRESH_STORE, **env}, logs=logs)
         # The program is the attempt's: the gate gives it to each rank with the attempt's environment.
-        gate = WorkerPlan(GATE, (sys.executable, "-I", torchrun_gate.__file__, "gate", "--agent",
+        gate = WorkerPlan(GATE, (sys.executable, "-I", GATE_SCRIPT, "gate", "--agent",
                                  str(agent_file(spec)), "--nproc", str(count), "--kill-after",
                                  f"{_kill_after(spec.stop_grace_seconds):g}", "--", *_shim_program(context.argv)),
                           env, logs=logs)
@@ -200,7 +203,7 @@ def start_agent(spec, plan: Plan, environ: Mapping[str, str], log, sinks) -> Non
 
     (agent,), (gate,) = plan.services, plan.workers
     prefix = f"ma-runtime-torchrun-{os.getpid()}-{time.monotonic_ns()}"
-    env = {**agent.env, **environ, **gate.env, torchrun_gate.PREFIX_ENV: prefix}  # the job's own values win
+    env = {**agent.env, **environ, **gate.env, GATE_PREFIX_ENV: prefix}  # the job's own values win
     worker = children.start_service(lambda: spawn(agent.argv, env, None, list(sinks), list(sinks), name=agent.name),
                                     graceful=True)
     path = agent_file(spec)

@@ -250,7 +250,8 @@ VARIABLES: Tuple[str, ...] = tuple(name for setting in SETTINGS for name in sett
 # The runtime's own prefix: a variable with it that nothing reads is a typo until shown otherwise (a warning).
 PREFIX = "MA_RUNTIME_"
 # Variables with the prefix read outside this table: the job file's path (spec/jobfile.py), the termination message's
-# (termination.py), those the runtime gives its command (process/worker.py, supervise/stacks/registry.py), the
+# (termination.py), those the runtime gives its command (process/worker.py, supervise/stacks/registry.py,
+# launch/torchrun_gate.py), the
 # image's entrypoint shim's (entrypoints/ma-runtime-entrypoint) and the project's test suite's (tests/suite_plugin.py).
 READ_ELSEWHERE = ("MA_RUNTIME_CONFIG", "MA_RUNTIME_TERMINATION_LOG", "MA_RUNTIME_LINEAGE", "MA_RUNTIME_STACKS_DIR",
-                  "MA_RUNTIME_STACKS_SIGNAL", "MA_RUNTIME_VENV", "MA_RUNTIME_TESTS_STRICT")
+                  "MA_RUNTIME_STACKS_SIGNAL", "MA_RUNTIME_TORCHRUN_GATE", "MA_RUNTIME_VENV", "MA_RUNTIME_TESTS_STRICT")

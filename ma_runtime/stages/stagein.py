@@ -101,9 +101,11 @@ def check_sync_store(spec: JobSpec, environ) -> None:
     """The store the outputs and logs will be synced to can be used (credentials, endpoint), before the command
     runs: what it writes would be lost otherwise, and the uploader would fail on it at every start. Nothing is
     sent. A failure is recorded in storage/reach.py, so that the final sync does not try that endpoint again."""
+    if not spec.syncs:
+        return  # before any import: a job that syncs nothing does not load the sync's or the storage's modules
     from ma_runtime.sync import targets
 
-    remote = targets.remote(targets.of(spec)) if spec.syncs else []
+    remote = targets.remote(targets.of(spec))
     if not remote:
         return
     from ma_runtime.storage import reach

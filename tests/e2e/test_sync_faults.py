@@ -108,6 +108,7 @@ def test_a_runtime_killed_mid_multipart_upload_resumes_sending_only_the_missing_
         obs_endpoint, job_env, tmp_path, proxy):
     bucket = obs_endpoint.new_bucket()
     env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url, MA_RUNTIME_STORAGE_PART_MB=8,
+                   MA_RUNTIME_STORAGE_LARGE_MB=8,
                    MA_RUNTIME_STORAGE_WORKERS=2, MA_RUNTIME_FINAL_SYNC_SECONDS=60)
     proxy.arm("delay", methods=("PUT",), delay=0.5)
     job = job_file(tmp_path, [("big_out", f"obs://{bucket}/model/", {"mode": "env"})])
@@ -147,6 +148,7 @@ def test_an_unfinished_multipart_upload_of_a_file_changed_since_is_aborted(obs_e
     """The other way a restarted runtime settles a crash's upload: the file is not what it was uploading."""
     bucket = obs_endpoint.new_bucket()
     env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url, MA_RUNTIME_STORAGE_PART_MB=8,
+                   MA_RUNTIME_STORAGE_LARGE_MB=8,
                    MA_RUNTIME_STORAGE_WORKERS=1, MA_RUNTIME_FINAL_SYNC_SECONDS=60)
     proxy.arm("delay", methods=("PUT",), delay=1.0)
     job = job_file(tmp_path, [("big_out", f"obs://{bucket}/model/", {"mode": "env"})])
@@ -174,7 +176,8 @@ def test_an_unfinished_multipart_upload_of_a_file_changed_since_is_aborted(obs_e
 def test_a_small_file_is_one_put_with_content_md5_and_a_large_one_goes_in_parts(obs_endpoint, job_env, tmp_path,
                                                                                  proxy):
     bucket = obs_endpoint.new_bucket()
-    env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url, MA_RUNTIME_STORAGE_PART_MB=8)
+    env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url, MA_RUNTIME_STORAGE_PART_MB=8,
+                   MA_RUNTIME_STORAGE_LARGE_MB=8)
     job = job_file(tmp_path, [("out", f"obs://{bucket}/out/", {"mode": "env"})])
     write = ('head -c 4194303 /dev/urandom > "$out/small.bin"; '  # 4 MiB - 1: the largest small file
              'head -c 9437184 /dev/urandom > "$out/large.bin"')  # 9 MiB: two parts of 8

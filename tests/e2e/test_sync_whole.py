@@ -79,7 +79,8 @@ def test_an_upload_the_store_did_not_confirm_is_sent_again_and_never_recorded(ob
     bucket = obs_endpoint.new_bucket()
     with counting_proxy(obs_endpoint) as proxy:
         proxy.arm(fault, 1, methods, marker=marker, unless=unless)
-        env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url)
+        # A 4 MiB threshold: the 6 MiB model goes in parts (its complete is what the first case spoils).
+        env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url, MA_RUNTIME_STORAGE_LARGE_MB=4)
         job = job_file(tmp_path, [("out", f"obs://{bucket}/run/", {"mode": "env"})])
 
         code, run = run_until_exit(["--config", job, sys.executable, "-c", WRITES_TWO], env, tmp_path)

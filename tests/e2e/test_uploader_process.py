@@ -101,6 +101,7 @@ def test_the_uploader_killed_during_the_final_sync_is_started_again_and_resumes(
                                                                                  proxy):
     bucket = obs_endpoint.new_bucket()
     env = sync_env(job_env, tmp_path, obs_endpoint, MA_S3_ENDPOINT=proxy.url, MA_RUNTIME_STORAGE_PART_MB=8,
+                   MA_RUNTIME_STORAGE_LARGE_MB=8,
                    MA_RUNTIME_STORAGE_WORKERS=2, MA_RUNTIME_FINAL_SYNC_SECONDS=60)
     proxy.arm("delay", methods=("PUT",), delay=0.7)
     job = job_file(tmp_path, [("big_out", f"obs://{bucket}/model/", {"mode": "env"})])

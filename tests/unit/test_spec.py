@@ -433,11 +433,13 @@ def test_every_variable_with_the_prefix_that_the_project_names_is_known():
 
 def test_the_names_read_elsewhere_are_the_ones_their_readers_use():
     from ma_runtime import termination
+    from ma_runtime.launch import torchrun_gate
     from ma_runtime.process import worker
     from ma_runtime.spec import jobfile, table
     from ma_runtime.supervise.stacks import registry
 
-    readers = {jobfile.CONFIG_ENV, termination.PATH_ENV, worker.LINEAGE_ENV, registry.DIR_ENV, registry.SIGNAL_ENV}
+    readers = {jobfile.CONFIG_ENV, termination.PATH_ENV, worker.LINEAGE_ENV, registry.DIR_ENV, registry.SIGNAL_ENV,
+               torchrun_gate.PREFIX_ENV}
     assert readers <= set(table.READ_ELSEWHERE)
 
 

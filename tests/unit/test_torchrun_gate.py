@@ -153,3 +153,8 @@ def test_a_waiting_shim_whose_agent_is_gone_exits(tmp_path):
         time.sleep(0.05)
     assert not alive(pid)
     assert "torchrun's rank 4: its agent" in (tmp_path / "err").read_text()
+
+
+def test_the_launcher_names_the_gate_as_the_gate_names_itself():
+    # launch/torchrun.py does not import the gate (every run imports the launcher for its settings): the same names.
+    assert (torchrun_gate.__file__, torchrun_gate.PREFIX_ENV) == (torchrun.GATE_SCRIPT, torchrun.GATE_PREFIX_ENV)
