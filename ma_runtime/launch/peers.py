@@ -20,6 +20,7 @@ import argparse
 import errno
 import functools
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -191,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    stop = threading.Event()
+    stop = _Stop()
     # A stop reaches the whole group at once (the supervisor's killpg): the command has it already.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -203,6 +204,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
+class _Stop:
+    """The watcher's stop, set by its signal handler. Not a threading.Event: Event.set takes the lock that the main
+    thread holds inside Event.wait, and a handler run while it holds it waits for itself forever (a SIGTERMed
+    watcher hung so, its command dead). A flag and a pipe written by the handler, which ends select's wait."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+        try:
+            os.write(self._write, b"x")
+        except BlockingIOError:  # the pipe is full of earlier stops: one is enough
+            pass
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if not self._set:
+            select.select([self._read], [], [], timeout)
+        return self._set
+
+
 def _not_started(command: Sequence[str], exc: OSError) -> int:
     if exc.errno == errno.E2BIG:
         _say(f"cannot start {command[0]}: {too_large_for_exec(command, os.environ)}")
@@ -211,7 +238,7 @@ def _not_started(command: Sequence[str], exc: OSError) -> int:
     return ExitCode.COMMAND_NOT_FOUND if exc.errno == errno.ENOENT else ExitCode.COMMAND_NOT_EXECUTABLE
 
 
-def _watch(watch: _PeerStates, appear_seconds: float, child: Optional[subprocess.Popen], stop: threading.Event) -> int:
+def _watch(watch: _PeerStates, appear_seconds: float, child: Optional[subprocess.Popen], stop: "_Stop") -> int:
     deadline = time.monotonic() + appear_seconds
     while True:
         if child is not None and child.poll() is not None:
