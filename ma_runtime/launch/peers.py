@@ -192,10 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    stop = _Stop()
     # A stop reaches the whole group at once (the supervisor's killpg): the command has it already.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         child = subprocess.Popen(command) if command else None
     except OSError as exc:  # one line, as the runtime's own spawn says it, never a traceback
@@ -204,10 +202,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
-class _Stop:
-    """The watcher's stop, set by its signal handler. Not a threading.Event: Event.set takes the lock that the main
-    thread holds inside Event.wait, and a handler run while it holds it waits for itself forever (a SIGTERMed
-    watcher hung so, its command dead). A flag and a pipe written by the handler, which ends select's wait."""
+def stop_on_signals() -> "SignalStop":
+    """A stop that SIGTERM and SIGINT set: the watcher's here, and ray_node.py's keeper and wait."""
+    stop = SignalStop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
+class SignalStop:
+    """A stop set by a signal handler. Not a threading.Event: Event.set takes the lock that the main thread holds
+    inside Event.wait, and a handler run while it holds it waits for itself forever (a SIGTERMed watcher hung so,
+    its command dead). A flag and a pipe written by the handler, which ends select's wait in any thread."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
@@ -238,7 +244,7 @@ def _not_started(command: Sequence[str], exc: OSError) -> int:
     return ExitCode.COMMAND_NOT_FOUND if exc.errno == errno.ENOENT else ExitCode.COMMAND_NOT_EXECUTABLE
 
 
-def _watch(watch: _PeerStates, appear_seconds: float, child: Optional[subprocess.Popen], stop: "_Stop") -> int:
+def _watch(watch: _PeerStates, appear_seconds: float, child: Optional[subprocess.Popen], stop: SignalStop) -> int:
     deadline = time.monotonic() + appear_seconds
     while True:
         if child is not None and child.poll() is not None:

@@ -121,11 +121,8 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def _stop_event() -> threading.Event:
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    return stop
+def _stop_event() -> peers.SignalStop:
+    return peers.stop_on_signals()  # not a threading.Event, which a signal handler can deadlock on
 
 
 def keep(argv: Sequence[str], head: Optional[Tuple[str, int]]) -> int:

@@ -164,7 +164,7 @@ def test_a_node_closed_for_less_than_the_gone_window_is_not_gone_and_one_closed_
 def test_the_watchers_stop_set_by_a_signal_handler_ends_its_wait():
     # The watcher's SIGTERM handler sets its stop while the main thread may be inside the wait: a threading.Event
     # there could deadlock the handler on the lock the interrupted wait holds (a watcher hung so in the suite).
-    stop = peers._Stop()
+    stop = peers.SignalStop()
     previous = signal.signal(signal.SIGALRM, lambda *_: stop.set())
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.2)
