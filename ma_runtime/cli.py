@@ -79,9 +79,10 @@ def new_parser(**settings: Any) -> "argparse.ArgumentParser":
 
     class Parser(argparse.ArgumentParser):
         def error(self, message: str) -> NoReturn:
-            unknown = message.split(": ", 1)[1].split()[0] if message.startswith("unrecognized arguments: ") else ""
-            if unknown.startswith("--"):
-                message += _did_you_mean(self, unknown.split("=", 1)[0])
+            # The first unknown word, if any has letters (an empty argument is unknown too, and has none).
+            words = message.split(": ", 1)[1].split() if message.startswith("unrecognized arguments: ") else []
+            if words and words[0].startswith("--"):
+                message += _did_you_mean(self, words[0].split("=", 1)[0])
             sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
             sys.exit(ExitCode.BAD_CONFIGURATION)
 

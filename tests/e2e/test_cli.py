@@ -94,6 +94,13 @@ def test_print_config_is_json_even_without_command(job_env):
     assert json.loads(run_ma(["--print-config"], job_env).stdout)["command"] == []
 
 
+@pytest.mark.parametrize("argv", [[""], [" ", "x"], ["--"]])
+def test_an_empty_or_blank_argument_to_a_tool_is_one_line_and_78(job_env, argv):
+    result = run([MA_RUNTIME, "preflight", *argv], job_env)
+    assert result.returncode == 78 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_an_unknown_option_of_a_tool_names_the_one_it_misspells(job_env):
     # argparse's own "unrecognized arguments" (the operators' tools) gets the suggestion too.
     result = run([MA_RUNTIME, "preflight", "--onyl", "dns"], job_env)
