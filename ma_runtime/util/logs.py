@@ -36,10 +36,28 @@ class _OnFirstUse(types.ModuleType):
         return getattr(real, name)
 
 
-if "asyncio" not in sys.modules:
-    sys.modules["asyncio"] = _OnFirstUse("asyncio")
+# What structlog probes for at import, for features the runtime never uses (pretty console tracebacks, colours,
+# Twisted, greenlet-local context), whichever the image happens to have installed: rich alone costs ~130 ms of
+# start-up where present (typer, huggingface_hub's CLI and many training images bring it). Hidden while structlog
+# imports (a None in sys.modules is an import that fails), so structlog takes its "not installed" branch; removed
+# after, so nothing else in this process is affected.
+_OPTIONAL_FOR_STRUCTLOG = ("rich", "better_exceptions", "colorama", "twisted", "greenlet")
 
-import structlog  # noqa: E402 - after the stand-in, on purpose
+
+def _import_structlog() -> types.ModuleType:
+    if "asyncio" not in sys.modules:
+        sys.modules["asyncio"] = _OnFirstUse("asyncio")
+    hidden = [name for name in _OPTIONAL_FOR_STRUCTLOG if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(hidden))
+    try:
+        return importlib.import_module("structlog")
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, ...) is None:
+                del sys.modules[name]
+
+
+structlog = _import_structlog()
 
 from ma_runtime.util import output  # noqa: E402
 from ma_runtime.util.output import Sink  # noqa: E402
