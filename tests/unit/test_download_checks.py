@@ -21,7 +21,7 @@ from ma_runtime.storage import transfer
 from ma_runtime.storage import url as storage_url
 from ma_runtime.storage.base import CorruptTransfer
 from ma_runtime.storage.stores import open_store
-from ma_runtime.storage.transfer.hashing import PartHashes, UploadLayout
+from ma_runtime.storage.transfer.hashing import MAX_FITTING, PartHashes, UploadLayout
 from tests.recording import Log, Wrapper
 
 MiB = 1 << 20
@@ -109,25 +109,27 @@ def data_of(size: int, seed: int) -> bytes:
 # --------------------------------------------------------------------------- the layout a composite ETag has
 
 
-@pytest.mark.parametrize("size, count, part_size", [
-    (512 * MiB, 32, 16 * MiB),  # 16 to 16.5 MiB fit: one whole MiB
-    (512 * MiB, 16, None),  # 32 to 34 MiB
-    (17 * MiB, 4, 5 * MiB),
-    (64 * MiB, 8, None),  # 8 and 9 MiB parts both make 8 parts (the OBS SDK's 9 MiB): no guess
-    (100 * MiB, 4, None),  # 25 to 33 MiB
-    (10, 4, 3),  # only one size fits at all
-    (12345, 3, None),
-    (7 * MiB, 1, 7 * MiB),
-    (5, 9, None),  # fewer bytes than parts
+@pytest.mark.parametrize("size, count, part_sizes", [
+    (512 * MiB, 32, [16 * MiB]),  # 16 to 16.5 MiB fit: one whole MiB
+    (512 * MiB, 16, [32 * MiB, 33 * MiB, 34 * MiB]),  # equal parts first: this runtime's own 32 MiB parts
+    (17 * MiB, 4, [5 * MiB]),
+    (64 * MiB, 8, [8 * MiB, 9 * MiB]),  # 8 and 9 MiB parts both make 8 parts (the OBS SDK's 9 MiB)
+    (13 * MiB, 2, [mib * MiB for mib in range(7, 13)]),
+    (100 * MiB, 4, []),  # 25 to 33 MiB: more than MAX_FITTING, so the size alone is checked
+    (10, 4, [3]),  # only one size fits at all
+    (12345, 3, []),  # no whole MiB among the sizes that fit
+    (7 * MiB, 1, [7 * MiB]),
+    (5, 9, []),  # fewer bytes than parts
 ])
-def test_the_part_size_is_inferred_only_when_one_fits(size, count, part_size):
-    layout = UploadLayout.infer(f"{'a' * 32}-{count}", size)
-    assert (layout.part_size if layout else None) == part_size
+def test_the_part_sizes_that_fit_likeliest_first(size, count, part_sizes):
+    layouts = UploadLayout.fitting(f"{'a' * 32}-{count}", size)
+    assert [layout.part_size for layout in layouts] == part_sizes
+    assert len(part_sizes) <= MAX_FITTING
 
 
 @pytest.mark.parametrize("etag", [None, "", "0" * 32, "zz" * 16 + "-2", "a" * 32 + "-0", "a" * 31 + "-2"])
 def test_only_a_composite_etag_has_a_layout(etag):
-    assert UploadLayout.infer(etag, 20 * MiB) is None
+    assert UploadLayout.fitting(etag, 20 * MiB) == []
 
 
 def test_part_hashes_make_the_composite_etag_whatever_the_pieces():
@@ -229,7 +231,7 @@ def test_a_part_corrupt_in_transit_is_fetched_again(bucket_store, tmp_path, obs_
     bucket, store = bucket_store
     data = data_of(3 * UPLOAD_PART + 3 * MiB, seed=5)
     etag = upload_in_parts(obs_endpoint, bucket, "big.bin", data)
-    assert UploadLayout.infer(etag, len(data)).part_size == UPLOAD_PART
+    assert UploadLayout.fitting(etag, len(data))[0].part_size == UPLOAD_PART
     log = Log()
 
     transfer.download(CorruptInTransit(store, "big.bin", times=1), storage_url.parse(f"obs://{bucket}/big.bin"),
@@ -239,18 +241,71 @@ def test_a_part_corrupt_in_transit_is_fetched_again(bucket_store, tmp_path, obs_
     assert [f["problem"] for f in log.fields("download verification failed, fetching again")] == ["checksum mismatch"]
 
 
-def test_a_composite_etag_whose_layout_cannot_be_told_is_checked_by_size(bucket_store, tmp_path, obs_endpoint):
-    """13 MiB in 2 parts of 7 MiB: any part size from 7 to 12 MiB makes 2 parts, so none is guessed, and the
-    download is checked by its size, as before (a guess of 8 MiB would have rejected a good object)."""
-    bucket, store = bucket_store
-    data = data_of(13 * MiB, seed=6)
-    etag = upload_in_parts(obs_endpoint, bucket, "odd.bin", data, part_size=7 * MiB)
-    assert UploadLayout.infer(etag, len(data)) is None
+def download_counting_reads(store, bucket, key, tmp_path, **changes):
+    """(the log, the reads of the partial file the kernel saw) of one download of `key` to out.bin."""
+    reads = FileReads(tmp_path / "state" / "partial")
     log = Log()
+    try:
+        transfer.download(store, storage_url.parse(f"obs://{bucket}/{key}"), tmp_path / "out.bin",
+                          options(tmp_path, **changes), log)
+        return log, reads.count()
+    finally:
+        reads.close()
 
-    transfer.download(store, storage_url.parse(f"obs://{bucket}/odd.bin"), tmp_path / "out.bin",
-                      options(tmp_path), log)
 
+# Fetched in ranged parts (above large_threshold), and whole in one GET (below it): one rule for both.
+WAYS = {"in parts": {}, "whole": {"large_threshold": 64 * MiB}}
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_equal_parts_of_a_size_the_etag_leaves_open_are_checked_as_they_arrive(bucket_store, tmp_path, obs_endpoint,
+                                                                               way):
+    """14 MiB in 2 parts of 7 MiB: 7 to 13 MiB parts all make 2 parts. The likeliest, equal parts, is right: the
+    ETag is checked from the bytes as they arrived, and the file is never read back."""
+    bucket, store = bucket_store
+    data = data_of(14 * MiB, seed=6)
+    etag = upload_in_parts(obs_endpoint, bucket, "even.bin", data, part_size=7 * MiB)
+    assert len(UploadLayout.fitting(etag, len(data))) > 1
+    _log, reads = download_counting_reads(store, bucket, "even.bin", tmp_path, **WAYS[way])
+    assert reads == 0
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_part_size_guessed_wrong_is_settled_from_the_file(bucket_store, tmp_path, obs_endpoint, way):
+    """13 MiB in parts of 9 MiB (9 + 4): 7 MiB is tried first and makes another ETag; 9 MiB, read from the file,
+    makes the object's, so the good file is placed without a refetch."""
+    bucket, store = bucket_store
+    data = data_of(13 * MiB, seed=8)
+    upload_in_parts(obs_endpoint, bucket, "odd.bin", data, part_size=9 * MiB)
+    log, reads = download_counting_reads(store, bucket, "odd.bin", tmp_path, **WAYS[way])
+    assert reads > 0
+    assert not log.events("warning")
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_corrupt_object_of_a_size_the_etag_leaves_open_is_rejected(bucket_store, tmp_path, obs_endpoint, way):
+    """Before, several fitting part sizes meant the size alone was checked, and a corrupt object was placed."""
+    bucket, store = bucket_store
+    data = data_of(13 * MiB, seed=9)
+    upload_in_parts(obs_endpoint, bucket, "odd.bin", data, part_size=9 * MiB)
+    corrupt_at_rest(bucket, "odd.bin", 10 * MiB + 7)
+    with pytest.raises(CorruptTransfer, match="checksum mismatch after retry"):
+        download_counting_reads(store, bucket, "odd.bin", tmp_path, **WAYS[way])
+    assert not (tmp_path / "out.bin").exists()
+    assert not list((tmp_path / "state" / "partial").iterdir())
+
+
+def test_a_composite_etag_with_too_many_fitting_sizes_is_checked_by_size(bucket_store, tmp_path, obs_endpoint):
+    """20 MiB in 2 parts (15 + 5): any whole MiB from 10 to 19 makes 2 parts, more than MAX_FITTING to read the file
+    for, so the size alone is checked, as boto3 and the SDK's downloadFile do."""
+    bucket, store = bucket_store
+    data = data_of(20 * MiB, seed=10)
+    etag = upload_in_parts(obs_endpoint, bucket, "wide.bin", data, part_size=15 * MiB)
+    assert UploadLayout.fitting(etag, len(data)) == []
+    _log, reads = download_counting_reads(store, bucket, "wide.bin", tmp_path)
+    assert reads == 0
     assert (tmp_path / "out.bin").read_bytes() == data
 
 
@@ -258,7 +313,7 @@ def test_a_resumed_multipart_object_hashes_the_parts_of_the_earlier_run(bucket_s
     bucket, store = bucket_store
     data = data_of(4 * UPLOAD_PART + 3 * MiB, seed=7)
     etag = upload_in_parts(obs_endpoint, bucket, "big.bin", data)
-    assert UploadLayout.infer(etag, len(data)).part_size == UPLOAD_PART
+    assert UploadLayout.fitting(etag, len(data))[0].part_size == UPLOAD_PART
     location = storage_url.parse(f"obs://{bucket}/big.bin")
 
     class StopAfter(Wrapper):

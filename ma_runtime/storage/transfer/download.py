@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Tuple
 from ma_runtime.storage import safety
 from ma_runtime.storage.base import NotFound, ObjectInfo, StorageError
 from ma_runtime.storage.progress import MB, Progress
+from ma_runtime.storage.transfer.hashing import PartHashes, UploadLayout, composite_etag
 from ma_runtime.storage.transfer.journal import Journal
 from ma_runtime.storage.transfer.options import TransferOptions
 from ma_runtime.storage.transfer.partial import Item, Staging, corrupt, open_fresh, verify
@@ -230,12 +231,17 @@ class _Fetcher:
         target = str(item.target)
         partial = self.staging.path(item.target)
         problem: Optional[Tuple[str, str]] = None
+        # A multipart upload's object (a composite ETag): its parts' MD5s are taken from the one body as it arrives.
+        layouts = UploadLayout.fitting(item.info.etag, item.info.size)
         for attempt in (1, 2):
             fd = open_fresh(partial)
             placed = False
             try:
-                written = self.calls(self._read_whole, item, fd)
-                problem = verify(fd, partial, item)
+                hashes = PartHashes(layouts[0]) if layouts else None
+                written = self.calls(self._read_whole, item, fd, hashes)
+                composite = None if hashes is None else composite_etag(fd, layouts, hashes.etag(),
+                                                                       item.info.etag.lower())
+                problem = verify(fd, partial, item, composite=composite)
                 if problem is None:
                     os.replace(partial, target)
                     placed = True
@@ -251,12 +257,16 @@ class _Fetcher:
                 self.log_refetch(item, problem)
         raise corrupt(item, problem)
 
-    def _read_whole(self, item: Item, fd: int) -> int:
-        """The bytes written; a retry starts afresh at offset 0."""
+    def _read_whole(self, item: Item, fd: int, hashes: Optional[PartHashes] = None) -> int:
+        """The bytes written; a retry starts afresh at offset 0 (and with fresh part digests)."""
         if item.info.size == 0:
             return 0  # a zero-length range cannot be asked for
+        tap = {}
+        if hashes is not None:
+            hashes.forget()
+            tap["tap"] = hashes.tap(0)
         return self.store.read_range(self.bucket, item.info.key, 0, item.info.size, fd, 0, etag=item.info.etag,
-                                     whole=True)
+                                     whole=True, **tap)
 
     def finished(self, item: Item, nbytes: int = 0) -> None:
         self.journal.add(item.info.key, item.info.etag)

@@ -1,10 +1,11 @@
 """MD5s of files: whole (`md5_of`), followed part by part as a download's parts land (`InOrderHash`), or one per
-part of a multipart upload, as the bytes arrive, to check against its composite ETag (`UploadLayout`, `PartHashes`)."""
+part of a multipart upload, as the bytes arrive, to check against its composite ETag (`UploadLayout`, `PartHashes`,
+`composite_etag`)."""
 
 import os
 import re
 import threading
-from typing import Callable, List, Optional, Set
+from typing import Callable, List, Optional, Sequence, Set
 
 from ma_runtime.storage.transfer.options import MiB
 
@@ -91,21 +92,21 @@ def md5_of(fd: int, size: int) -> str:
 
 class UploadLayout:
     """The parts a composite ETag (`<md5 of the parts' MD5s>-N`) was made from: N parts of `part_size` bytes, the
-    last one shorter. The ETag does not say the part size, so it is inferred from the object's size and N
-    (`infer`): a download is checked part by part only when one part size fits (docs/reference/storage.md)."""
+    last one shorter. The ETag does not say the part size: `fitting` gives every size the object's size and N
+    allow, the likeliest first (docs/guides/storage.md, "Atomic and verified")."""
 
     def __init__(self, digest: str, count: int, part_size: int, size: int):
         self.digest, self.count, self.part_size, self.size = digest, count, part_size, size
 
     @classmethod
-    def infer(cls, etag: Optional[str], size: int) -> Optional["UploadLayout"]:
-        """The layout of a composite ETag, or None: not a composite ETag, or no single part size fits."""
+    def fitting(cls, etag: Optional[str], size: int) -> List["UploadLayout"]:
+        """The layouts a composite ETag may have been made from, the likeliest first; none when it is not a
+        composite ETag or when too many part sizes fit to try them all."""
         found = _COMPOSITE_ETAG.match((etag or "").lower())
         if found is None:
-            return None
+            return []
         count = int(found.group("count"))
-        part_size = _upload_part_size(size, count)
-        return None if part_size is None else cls(found.group("digest"), count, part_size, size)
+        return [cls(found.group("digest"), count, part_size, size) for part_size in _upload_part_sizes(size, count)]
 
     def bounds(self, index: int):
         """(start, end) of upload part `index` (0-based)."""
@@ -113,20 +114,42 @@ class UploadLayout:
         return start, min(start + self.part_size, self.size)
 
 
-def _upload_part_size(size: int, count: int) -> Optional[int]:
-    """The part size N parts of `size` bytes were uploaded in: every part but the last has it, the last is not
-    empty and not longer. When one size fits, that one; else when one whole number of MiB fits, that one (boto3,
-    the AWS CLI, the OBS SDK, rclone and this runtime upload in whole MiB). None when several fit (100 MiB in
-    4 parts: 25 to 33 MiB): no guess, since a wrong one would reject a good object."""
+# The most part sizes a download tries when several fit: a wrong first guess costs a read of the file per size.
+MAX_FITTING = 8
+
+
+def _upload_part_sizes(size: int, count: int) -> List[int]:
+    """The part sizes N parts of `size` bytes may have been uploaded in (every part but the last has it, the last
+    is not empty and not longer), the likeliest first. When one size fits, that one; else the whole numbers of MiB
+    that fit (boto3, the AWS CLI, the OBS SDK, rclone and this runtime upload in whole MiB), smallest first: the
+    parts are then equal or nearly, as a file cut in its tool's part size most often is (100 MiB in 4 parts: 25 to
+    33 MiB, 25 first). None when no whole MiB fits among several sizes, or more than MAX_FITTING do."""
     if count == 1:
-        return size or None
+        return [size] if size else []
     if size < count:
-        return None
+        return []
     lowest, highest = -(-size // count), (size - 1) // (count - 1)
     if lowest == highest:
-        return lowest
+        return [lowest]
     whole = [mib * MiB for mib in range(-(-lowest // MiB), highest // MiB + 1)]
-    return whole[0] if len(whole) == 1 else None
+    return whole if len(whole) <= MAX_FITTING else []
+
+
+def composite_etag(fd: int, layouts: Sequence[UploadLayout], received: Optional[str], expected: str) -> Optional[str]:
+    """The composite ETag the file makes, for the check before its rename. `received` is the first layout's, taken
+    from the bytes as they arrived (None: not taken); when it is not `expected` and other part sizes fit, the file
+    is read once for each of them and the first that makes `expected` gives it (a read only after a wrong guess, or
+    for a corrupt file, which no size makes right). Else `received`, or the first layout's from the file."""
+    if received == expected:
+        return received
+    for layout in layouts[1:] if received is not None else layouts:
+        hashes = PartHashes(layout)
+        hashes.hash_file(fd, 0, layout.size)
+        made = hashes.etag()
+        if made == expected:
+            return made
+        received = received or made
+    return received
 
 
 class PartHashes:

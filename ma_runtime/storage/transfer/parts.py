@@ -9,7 +9,7 @@ import threading
 from typing import Dict, Optional, Set
 
 from ma_runtime.storage.base import TransientError
-from ma_runtime.storage.transfer.hashing import InOrderHash, PartHashes, UploadLayout, md5_of, new_md5
+from ma_runtime.storage.transfer.hashing import InOrderHash, PartHashes, UploadLayout, composite_etag, md5_of, new_md5
 from ma_runtime.storage.transfer.journal import valid_download
 from ma_runtime.storage.transfer.options import MiB, TransferOptions
 from ma_runtime.storage.transfer.partial import Item, corrupt, open_fresh, verify
@@ -28,9 +28,10 @@ class LargeFile:
 
         self.fetcher = fetcher
         self.item = item
-        # A composite ETag's parts, when their size can be told: then each ranged read covers whole upload parts,
-        # and hashes them as they arrive.
-        self.layout = UploadLayout.infer(item.info.etag, item.info.size)
+        # A composite ETag's parts, by the likeliest part size that fits: each ranged read covers whole upload parts,
+        # and hashes them as they arrive; the other sizes that fit are tried from the file only if that one's fails.
+        self.layouts = UploadLayout.fitting(item.info.etag, item.info.size)
+        self.layout = self.layouts[0] if self.layouts else None
         self.part_size = _part_size(fetcher.options, item.info.size, self.layout)
         self.parts = -(-item.info.size // self.part_size)
         self.hasher: Optional[InOrderHash] = None
@@ -190,7 +191,8 @@ class LargeFile:
         """(the MD5 followed in order, the composite ETag the bytes make): what `verify` compares."""
         digest = self.hasher.result() if self.hasher is not None else None
         if self.part_hashes is not None:
-            return None, self.part_hashes.etag() or "(a part not hashed)"
+            made = composite_etag(self.fd, self.layouts, self.part_hashes.etag(), (self.item.info.etag or "").lower())
+            return None, made or "(a part not hashed)"
         if self.layout is not None:  # one part: the ETag is the MD5 of the object's MD5
             whole = digest or md5_of(self.fd, self.item.info.size)
             return None, f"{new_md5(bytes.fromhex(whole)).hexdigest()}-1"
