@@ -175,14 +175,16 @@ class ObjectStore(Protocol):
         """Raises NotFound when there is no such object."""
 
     def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
-                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None
-                   ) -> int:
+                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None,
+                   keyed: Optional[Callable[[], None]] = None) -> int:
         """Writes bytes [start, start+length) of the object at `offset` of the open file `fd` (os.pwrite),
         streaming; returns the byte count. A body shorter than asked raises TransientError. `etag`, when
         given, is the version listed: a read of any other version raises ObjectChanged, so the parts of one
         file all come from one version. `whole`: the range is the whole object as listed (the store may
         then skip the Range header). `tap`, when given, is called with every piece of the body, in order,
-        just before it is written (the engine hashes a download's parts as they arrive)."""
+        just before it is written (the engine hashes a download's parts as they arrive). `keyed`, when given, is
+        called when the answer says the object is encrypted with a KMS or customer-provided key: its ETag then
+        says nothing of its bytes, so the engine checks its size alone."""
 
     def put_file(self, bucket: str, key: str, path: str, *, size: Optional[int] = None,
                  unchanged: Optional[Callable[[], bool]] = None) -> ObjectInfo:

@@ -107,8 +107,8 @@ class LocalStore:
         return ObjectInfo(key, stats.st_size, version_of(stats))
 
     def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
-                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None
-                   ) -> int:
+                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None,
+                   keyed: Optional[Callable[[], None]] = None) -> int:  # a local file is never encrypted with a key
         try:
             source = os.open(key, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:

@@ -145,10 +145,12 @@ class MemoryStore:
             raise NotFound(f"memory://{key} not found")
         return self._info(key)
 
-    def read_range(self, bucket, key, start, length, fd, offset, etag=None, whole=False):
+    def read_range(self, bucket, key, start, length, fd, offset, etag=None, whole=False, tap=None, keyed=None):
         if etag is not None and etag != self._info(key).etag:
             raise ObjectChanged(f"memory://{key} changed after it was listed")
         data = self.objects[key][start:start + length]
+        if tap is not None:
+            tap(data)
         os.pwrite(fd, data, offset)
         return len(data)
 

@@ -44,7 +44,7 @@ from ma_runtime.storage.obs.client import (
 )
 from ma_runtime.storage.obs.failures import UploadGone
 from ma_runtime.storage.obs.listing import Listing, UploadListing, parse_listing, parse_uploads, unquote_etag
-from ma_runtime.storage.obs.wire import ObsWire, object_url
+from ma_runtime.storage.obs.wire import ObsWire, encrypted_with_a_key, object_url
 from ma_runtime.util.redact import Masker
 
 # After a complete, its size is read from the store when this store did not send every part: a transient failure of
@@ -104,8 +104,8 @@ class ObsStore(ObsWire):
         return ObjectInfo(key, int(metadata.contentLength), unquote_etag(metadata.etag))
 
     def read_range(self, bucket: str, key: str, start: int, length: int, fd: int, offset: int, *,
-                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None
-                   ) -> int:
+                   etag: Optional[str] = None, whole: bool = False, tap: Optional[Callable[[bytes], None]] = None,
+                   keyed: Optional[Callable[[], None]] = None) -> int:
         if length <= 0:
             return 0  # "bytes=5-4" is not a range; there is nothing to fetch
         url = object_url(bucket, key)
@@ -127,6 +127,8 @@ class ObsStore(ObsWire):
             if not byte_range and response.length is not None and response.length != length:
                 raise ObjectChanged(f"reading {url}: the object changed after it was listed ({length} bytes when "
                                     f"listed, {response.length} now)")
+            if keyed is not None and encrypted_with_a_key(response.getheader):
+                keyed()
             return self._copy_body(response, length, fd, offset, url, tap)
         finally:
             self._requests.release(response)

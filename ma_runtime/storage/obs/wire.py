@@ -89,7 +89,7 @@ class ObsWire:
         """The object a PUT's 2xx answer confirms (see obs/__init__.py); TransientError otherwise."""
         where = f"{action} {object_url(bucket, key)}"
         etag = unquote_etag(response.getheader("ETag"))
-        if _encrypted_with_a_key(response.getheader):
+        if encrypted_with_a_key(response.getheader):
             md5_hex = None
         error = signed.error_document(self._drain(response, action, bucket, key))
         if error:
@@ -146,8 +146,9 @@ def object_url(bucket: str, key: str) -> str:
     return f"obs://{bucket}/{key}"
 
 
-def _encrypted_with_a_key(header: Callable[[str], Optional[str]]) -> bool:
-    """True when a PUT's answer says the object is encrypted with a KMS or customer-provided key."""
+def encrypted_with_a_key(header: Callable[[str], Optional[str]]) -> bool:
+    """True when an answer (a PUT's, a GET's) says the object is encrypted with a KMS or customer-provided key: S3
+    then gives an ETag that is not the MD5 of its bytes."""
     if any(header(name) for name in KEY_ENCRYPTION_HEADERS):
         return True
     return any("kms" in (header(name) or "").lower() for name in KMS_ENCRYPTION_HEADERS)

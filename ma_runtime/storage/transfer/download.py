@@ -3,6 +3,7 @@ fetched on one bounded pool: small files whole, large ones as ranged parts (part
 
 import collections
 import dataclasses
+import functools
 import os
 import stat
 import time
@@ -238,10 +239,11 @@ class _Fetcher:
             placed = False
             try:
                 hashes = PartHashes(layouts[0]) if layouts else None
-                written = self.calls(self._read_whole, item, fd, hashes)
-                composite = None if hashes is None else composite_etag(fd, layouts, hashes.etag(),
-                                                                       item.info.etag.lower())
-                problem = verify(fd, partial, item, composite=composite)
+                keyed: List[bool] = []
+                written = self.calls(self._read_whole, item, fd, hashes, functools.partial(keyed.append, True))
+                composite = None if hashes is None or keyed else composite_etag(fd, layouts, hashes.etag(),
+                                                                                item.info.etag.lower())
+                problem = verify(fd, partial, item, composite=composite, by_etag=not keyed)
                 if problem is None:
                     os.replace(partial, target)
                     placed = True
@@ -257,7 +259,7 @@ class _Fetcher:
                 self.log_refetch(item, problem)
         raise corrupt(item, problem)
 
-    def _read_whole(self, item: Item, fd: int, hashes: Optional[PartHashes] = None) -> int:
+    def _read_whole(self, item: Item, fd: int, hashes: Optional[PartHashes], keyed: Callable[[], None]) -> int:
         """The bytes written; a retry starts afresh at offset 0 (and with fresh part digests)."""
         if item.info.size == 0:
             return 0  # a zero-length range cannot be asked for
@@ -266,7 +268,7 @@ class _Fetcher:
             hashes.forget()
             tap["tap"] = hashes.tap(0)
         return self.store.read_range(self.bucket, item.info.key, 0, item.info.size, fd, 0, etag=item.info.etag,
-                                     whole=True, **tap)
+                                     whole=True, keyed=keyed, **tap)
 
     def finished(self, item: Item, nbytes: int = 0) -> None:
         self.journal.add(item.info.key, item.info.etag)

@@ -108,12 +108,13 @@ def open_fresh(path) -> int:
 
 
 def verify(fd: int, partial: str, item: Item, digest: Optional[str] = None,
-           composite: Optional[str] = None) -> Optional[Tuple[str, str]]:
+           composite: Optional[str] = None, by_etag: bool = True) -> Optional[Tuple[str, str]]:
     """(what, detail) wrong with the partial file about to be renamed into place, or None.
 
     Its size read from the file itself (its descriptor); then, when the ETag is an MD5, the file's MD5
     (`digest`, when given, was read back from it already, else it is read now); when `composite` is given,
-    the ETag the parts' MD5s make (taken as the bytes arrived), compared with the object's. The path to be
+    the ETag the parts' MD5s make (taken as the bytes arrived), compared with the object's. Not `by_etag` (the
+    object is encrypted with a key, and its ETag says nothing of its bytes): the size alone. The path to be
     renamed must still be that very file: anything else there would be renamed into place unverified."""
     stats = os.fstat(fd)
     # The inode alone: overlayfs before Linux 4.19 gives a descriptor the upper layer's st_dev, and the path
@@ -123,6 +124,8 @@ def verify(fd: int, partial: str, item: Item, digest: Optional[str] = None,
                            hint="something else writes in the runtime's state folder")
     if stats.st_size != item.info.size:
         return "size mismatch", f"{stats.st_size} bytes, expected {item.info.size}"
+    if not by_etag:
+        return None
     if composite is not None:
         if composite != (item.info.etag or "").lower():
             return "checksum mismatch", f"the parts make ETag {composite}, expected {item.info.etag}"
