@@ -141,6 +141,14 @@ def test_pod_index(name, index):
     assert table_convert.pod_index(name) == index
 
 
+@pytest.mark.parametrize("name", ["worker-12\n", "worker-12\n\n", "worker-\n", "12", "\n", "a1b22", "w-²", "w-1²",
+                                  "w-٣", "w-0012", "w-12 ", "w-\u200912", "x" * 300 + "7"])
+def test_pod_index_reads_what_the_regular_expression_read(name):
+    # pod_index was re.search("([0-9]+)$"): its `$` also matches before a final line end; [0-9] is ASCII only.
+    found = re.search(r"([0-9]+)$", name)
+    assert table_convert.pod_index(name) == (int(found.group(1)) if found else None)
+
+
 def test_is_template_two():
     assert table_convert.is_template_two(json.loads(golden("two_servers_8", 2)))
     assert not table_convert.is_template_two(json.loads(golden("two_servers_8", 1)))
