@@ -1168,3 +1168,20 @@ def test_the_spec_and_the_node_view_read_the_task_index_by_one_rule(tmp_path):
     spec = job_spec.load({}, environ)
     prepared = ranktable.wait_and_convert(spec, environ, Log())
     assert spec.task_index == 1 and prepared.node.server_id == "172.16.0.11"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_conversion_leaves_the_garbage_collector_as_it_found_it(enabled):
+    # It pauses the cyclic collector while it makes a big table's objects, and restores it, on errors too.
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        table_convert.template_one_text(from_text(golden("two_servers_8", 2)))
+        assert gc.isenabled() is enabled
+        with pytest.raises(RankTableError):
+            table_convert.read_any("{", "bad.json")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
