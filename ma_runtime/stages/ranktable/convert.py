@@ -409,7 +409,7 @@ def _assembled(document: Mapping[str, Any], servers: Optional[List[str]]) -> str
 
 
 # What json.dumps escapes besides `"`, `\` and non-ASCII.
-_CONTROL = re.compile(r"[\x00-\x1f]")
+_CONTROL = bytes(range(0x20))
 _DEVICE = '{"device_id": "%s", "device_ip": "%s", "rank_id": "%s"}'
 
 
@@ -450,9 +450,14 @@ def _plain_rows(lines: List[str], servers: Dict[str, List[Device]]) -> bool:
     """Whether the formatted rows (of strings) are what json.dumps writes: no value held a quote (the count of
     quotes is the format's own), a backslash, a control or a non-ASCII character."""
     text = "".join(lines)
+    if not text.isascii():
+        return False
+    # As bytes, the control characters are found by deleting them (a copy at memory speed; a regular expression's
+    # scan of the 4.7 MB of a 4096 x 16 table took 7x as long).
+    data = text.encode("ascii")
     devices = sum(map(len, servers.values()))
-    return (text.isascii() and "\\" not in text and not _CONTROL.search(text)
-            and text.count('"') == 12 * devices + 6 * len(servers))
+    return (b"\\" not in data and len(data.translate(None, _CONTROL)) == len(data)
+            and data.count(b'"') == 12 * devices + 6 * len(servers))
 
 
 def write_atomically(path: Path, document: Union[str, Mapping[str, Any]]) -> None:
