@@ -126,10 +126,12 @@ class Torchrun(Launcher):
         agent = WorkerPlan(self.NAME, (launcher, *flags, f"--max-restarts={AGENT_RESTARTS}", GATE_SCRIPT,
                                        "shim"), {**_FRESH_STORE, **env}, logs=logs)
         # The program is the attempt's: the gate gives it to each rank with the attempt's environment.
+        # Several nodes: the ranks of each attempt get a store of their own (_ranks_store), as on one node.
+        store = ("--store-port", str(ranks_store_port(spec, flags))) if spec.num_hosts > 1 else ()
         gate = WorkerPlan(GATE, (sys.executable, "-I", GATE_SCRIPT, "gate", "--agent",
                                  str(agent_file(spec)), "--nproc", str(count), "--kill-after",
-                                 f"{_kill_after(spec.stop_grace_seconds):g}", "--", *_shim_program(context.argv)),
-                          env, logs=logs)
+                                 f"{_kill_after(spec.stop_grace_seconds):g}", *store, "--",
+                                 *_shim_program(context.argv)), env, logs=logs)
         return Plan(self.NAME, why, (gate,), nodes, count, services=(agent,))
 
     def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks, command=()) -> None:
@@ -148,6 +150,8 @@ class Torchrun(Launcher):
         flags = _flags(spec)
         master = _flag_value(flags, "master_addr") or plan.node.master
         port = _flag_value(flags, "master_port") or spec.torchrun_master_port
+        if plan.services and spec.num_hosts > 1:  # restarted in place: the ranks' store, as their gate gives it
+            port = ranks_store_port(spec, flags)
         rank = _flag_value(flags, "node_rank")
         return JobVariables(str(master), port, plan.nodes, plan.node.node_rank if rank == "" else rank,
                             plan.processes_per_node)
@@ -180,8 +184,23 @@ LAUNCHER = Torchrun()
 
 def in_place(spec, flags: Sequence[str], count: Any) -> bool:
     """Whether this job's torchrun is restarted in place (the module docstring says when not)."""
-    return (bool(spec.torchrun_in_place) and spec.num_hosts <= 1 and isinstance(count, int) and "-m" not in flags
-            and not _flag_names(flags) & set(_NOT_IN_PLACE))
+    return (bool(spec.torchrun_in_place) and isinstance(count, int) and "-m" not in flags
+            and not _flag_names(flags) & set(_NOT_IN_PLACE) and (spec.num_hosts <= 1 or _static(flags)))
+
+
+def _static(flags: Sequence[str]) -> bool:
+    """Several nodes restart in place on torch's static rendezvous (the platform's, torchrun's default): its agents
+    restart only when their own ranks end (its num_nodes_waiting is always 0) and keep the node ranks the job gives
+    (--node_rank). A job that names another backend, or an endpoint, has its torchrun restarted whole."""
+    return _flag_value(flags, "rdzv_backend") in ("", "static") and "rdzv_endpoint" not in _flag_names(flags)
+
+
+def ranks_store_port(spec, flags: Sequence[str]) -> int:
+    """The port of the store that global rank 0 hosts for its attempt's ranks on several nodes restarted in place:
+    the one after the agent's (--master_port, which the agents' static store holds for the whole run), the one
+    before it for 65535. The same on every node and for every attempt; each attempt's rank 0 opens it anew."""
+    agents = int(_flag_value(flags, "master_port") or spec.torchrun_master_port)
+    return agents + 1 if agents < 65535 else agents - 1
 
 
 def agent_file(spec) -> Path:
