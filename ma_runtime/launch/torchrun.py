@@ -35,10 +35,11 @@ is the job's service, started once per run with a restart budget that never runs
 itself; each rank is torchrun_gate.py's shim, which waits until the attempt's worker, torchrun_gate.py's gate,
 lets it go with the attempt's environment (MA_PROC_START_CNT with it). The runtime's attempt loop, its policy and
 the job-wide agreement are unchanged: a restart costs what torchrun's own costs, not a new agent's torch import.
-The agent is restarted whole instead (one `torchrun` per attempt, as before) on several nodes (their static
-rendezvous keeps one store across restarts: see _FRESH_STORE), where MA_EXTRA_TORCHRUN_PARAMS names --max-restarts
-(the job asks for torchrun's own restarts inside an attempt), --module or --no-python (the program is not the shim
-then), or processes per node that are no number (`auto`, `gpu`).
+Several nodes restart in place on the platform's static rendezvous, each attempt's ranks with a store of their own
+(ranks_store_port; docs/torchrun-in-place.md, "Several nodes"). The agent is restarted whole instead (one `torchrun`
+per attempt, as before) where MA_EXTRA_TORCHRUN_PARAMS names --max-restarts (the job asks for torchrun's own restarts
+inside an attempt), --module or --no-python (the program is not the shim then), on several nodes another rendezvous
+backend or an endpoint, or processes per node that are no number (`auto`, `gpu`).
 """
 
 import json
