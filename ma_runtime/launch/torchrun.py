@@ -200,7 +200,11 @@ def ranks_store_port(spec, flags: Sequence[str]) -> int:
     """The port of the store that global rank 0 hosts for its attempt's ranks on several nodes restarted in place:
     the one after the agent's (--master_port, which the agents' static store holds for the whole run), the one
     before it for 65535. The same on every node and for every attempt; each attempt's rank 0 opens it anew."""
-    agents = int(_flag_value(flags, "master_port") or spec.torchrun_master_port)
+    given = _flag_value(flags, "master_port")
+    agents = spec.torchrun_master_port if given == "" else given
+    if not isinstance(agents, int) or not 0 < agents <= 65535:
+        raise ConfigError(f"MA_EXTRA_TORCHRUN_PARAMS gives --master_port={agents}: not a port",
+                          hint="a number from 1 to 65535")
     return agents + 1 if agents < 65535 else agents - 1
 
 

@@ -19,10 +19,12 @@ The shim (`python -u torchrun_gate.py shim`), as torchrun starts it, the leader 
   its termination message and the guard's pipes are the same; tells the gate it started and, when it ends, how
   (`exit`), and exits as its child did.
 
-The gate (`torchrun_gate.py gate --agent FILE --nproc N --kill-after SECONDS -- PROGRAM`), one attempt's worker:
+The gate (`torchrun_gate.py gate --agent FILE --nproc N --kill-after SECONDS [--store-port PORT] -- PROGRAM`), one
+attempt's worker:
 - reads the agent's pid and socket prefix from FILE (written when the service starts), lets every local rank go
   with the program, its own stdout and stderr, and its environment's difference to the agent's (torchrun's
-  per-rank variables left as torchrun set them);
+  per-rank variables left as torchrun set them, but for --store-port on several nodes: MASTER_PORT=PORT and
+  TORCHELASTIC_USE_AGENT_STORE=False, a store of the attempt's own for its ranks, see _ranks_store);
 - collects the exits. The first non-zero one is the attempt's: once every rank is gone (torchrun stops the
   others and restarts the group, whose new shims wait at the gate) it prints torchrun's summary for it (`Root
   Cause (first observed failure):`, the rank and its exit code: launch/torchrun.root_cause reads it) and exits

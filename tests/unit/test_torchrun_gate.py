@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ma_runtime.errors import ConfigError
 from ma_runtime.launch import torchrun, torchrun_gate
 from ma_runtime.spec import load
 from tests.conftest import alive
@@ -97,6 +98,15 @@ def test_several_nodes_restart_in_place_on_the_static_rendezvous_with_a_store_fo
     # rendezvous keeps the agents' one store for the whole run).
     assert gate.argv[gate.argv.index("--store-port") + 1] == str(ranks)
     assert gate.env["MASTER_PORT"] == str(ranks) and gate.env["NODE_RANK"] == "1"
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000"])
+def test_several_nodes_with_a_master_port_that_is_no_port_is_one_line_and_78(job, port):
+    job_spec, environ = job(**SEVERAL, MA_EXTRA_TORCHRUN_PARAMS=f"--master_port={port}")
+    with pytest.raises(ConfigError) as caught:
+        build(job_spec, environ, ["python", "train.py"], which=which_from("torchrun"))
+    assert caught.value.exit_code == 78
+    assert caught.value.reason == f"MA_EXTRA_TORCHRUN_PARAMS gives --master_port={port}: not a port"
 
 
 def test_the_gate_kills_the_ranks_inside_the_runtimes_grace():
