@@ -22,6 +22,24 @@ the same number of processes as its anchor.
   ma-run (torchrun whole)      the same with MA_RUNTIME_TORCHRUN_IN_PLACE=off: a new torchrun per attempt
                                (torchrun's own --max-restarts=0), as before issue 29; reported, not judged
 
+With --two-nodes (root: two network namespaces of ma_runtime/local/nodes.py, each node's command in its own,
+as tests/e2e/test_job_launchers.py runs them), three rows more, one rank per node, the platform's static
+rendezvous at node 0 (a port of their own for each run), every rank dying:
+
+  torchrun c10d (2 nodes)      on each node torchrun --nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=<node 0>:PORT
+                               --max-restarts=1 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): each agent restarts its
+                               group through a new rendezvous round of both nodes: torchrun's own restart of a
+                               multi-node job (the judged anchor)
+  torchrun static (2 nodes)    the same on the platform's static rendezvous (--node_rank=I --master_addr=<node 0>
+                               --rdzv_backend=static): each agent restarts its group alone, with no round (the
+                               static rendezvous has none). Only this benchmark's job restarts so: a healthy
+                               node's agent never restarts (its num_nodes_waiting is always 0) and a restart's
+                               ranks would read the last attempt's addresses in the one store (gloo: Connection
+                               refused); reported beside, not judged
+  ma-run (torchrun, 2 nodes)   ma-run on each node, MA_RUN_METHOD=torchrun: restarted in place, the job-wide
+                               restart (the nodes' coordination: first failure, stop, barrier) in it
+  ma-run (whole, 2 nodes)      the same with MA_RUNTIME_TORCHRUN_IN_PLACE=off; reported, not judged
+
 The device wait is the default (MA_RUNTIME_DEVICE_RELEASE_SECONDS unset, 60 s): with no accelerator
 the runtime checks once and goes on, and torchrun checks nothing, so both sides pay what they pay
 on a node with nothing to wait for. Setting it to 0 would still check once: it is not set.
@@ -35,14 +53,16 @@ Goals, each judged on the ratio of the medians in the same run (per round beside
   - the design's budget: worker death to relaunched worker (no device-release wait) <= 300 ms and <= 0.5x
     torchrun: ma-run (plain, 1 process) / torchrun (1 rank), and its median <= 300 ms;
   - issue 29: a torchrun job restarted <= 1.5x torchrun's own --max-restarts restart:
-    ma-run (torchrun, 2 ranks) / torchrun (2 ranks).
+    ma-run (torchrun, 2 ranks) / torchrun (2 ranks), and with --two-nodes the same on two nodes:
+    ma-run (torchrun, 2 nodes) / torchrun c10d (2 nodes).
 Reported, never enforced: the script exits 0 unless it cannot run at all.
 
     .venv/bin/python benchmarks/restart.py [--rounds 5] [--warmup 1] [--run-seconds 0.3] [--ma-run PATH]
-        [--python PATH] [--json FILE]
+        [--python PATH] [--two-nodes] [--json FILE]
 """
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -52,10 +72,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness  # noqa: E402  (beside this script, not a package)
+
+from ma_runtime.local import nodes as local_nodes  # noqa: E402  (standard library only: no runtime start-up)
 
 GOAL_MS = 300.0
 PLAIN_GOAL = harness.Goal("restart, plain command", "worker death to relaunched worker (no device-release wait): "
@@ -63,17 +87,32 @@ PLAIN_GOAL = harness.Goal("restart, plain command", "worker death to relaunched 
 TORCHRUN_GOAL = harness.Goal("restart, torchrun job", "a torchrun job restarted in place <= 1.5x torchrun's own "
                              "--max-restarts restart", "issue 29 (the design's restart budget names no launcher)",
                              1.5, "x")
+NODES_GOAL = harness.Goal("restart, torchrun job on two nodes", "a torchrun job restarted in place <= 1.5x "
+                          "torchrun's own --max-restarts restart (two nodes, the job-wide restart in it)",
+                          "issue 29 (the design's restart budget names no launcher)", 1.5, "x")
 TORCHRUN_ONE = "torchrun (1 rank)"
 TORCHRUN_TWO = "torchrun (2 ranks)"
 MA_RUN_PLAIN = "ma-run (plain, 1 process)"
 MA_RUN_TORCHRUN = "ma-run (torchrun, 2 ranks)"
 MA_RUN_WHOLE = "ma-run (torchrun whole)"
+TORCHRUN_NODES = "torchrun c10d (2 nodes)"
+TORCHRUN_STATIC = "torchrun static (2 nodes)"
+MA_RUN_NODES = "ma-run (torchrun, 2 nodes)"
+MA_RUN_NODES_WHOLE = "ma-run (whole, 2 nodes)"
 ROWS = (TORCHRUN_ONE, TORCHRUN_TWO, MA_RUN_PLAIN, MA_RUN_TORCHRUN, MA_RUN_WHOLE)
+NODE_ROWS = (TORCHRUN_NODES, TORCHRUN_STATIC, MA_RUN_NODES, MA_RUN_NODES_WHOLE)  # --two-nodes
 # The same number of processes; the whole restart is compared too, and judged by no goal.
-ANCHOR_OF = {MA_RUN_PLAIN: TORCHRUN_ONE, MA_RUN_TORCHRUN: TORCHRUN_TWO, MA_RUN_WHOLE: TORCHRUN_TWO}
+ANCHOR_OF = {MA_RUN_PLAIN: TORCHRUN_ONE, MA_RUN_TORCHRUN: TORCHRUN_TWO, MA_RUN_WHOLE: TORCHRUN_TWO,
+             MA_RUN_NODES: TORCHRUN_NODES, MA_RUN_NODES_WHOLE: TORCHRUN_NODES}
+# Reported beside the judged ratio: the static rendezvous' restart that works for this benchmark's job only.
+BESIDE = {MA_RUN_NODES: TORCHRUN_STATIC}
+# The per-round tables' columns.
 SHORT = {TORCHRUN_ONE: "torchrun 1", TORCHRUN_TWO: "torchrun 2", MA_RUN_PLAIN: "ma-run plain",
-         MA_RUN_TORCHRUN: "ma-run torchrun", MA_RUN_WHOLE: "torchrun whole"}  # the per-round table's columns
+         MA_RUN_TORCHRUN: "ma-run torchrun", MA_RUN_WHOLE: "torchrun whole", TORCHRUN_NODES: "c10d 2n",
+         TORCHRUN_STATIC: "static 2n", MA_RUN_NODES: "ma-run 2n", MA_RUN_NODES_WHOLE: "whole 2n"}
 OURS = (MA_RUN_PLAIN, MA_RUN_TORCHRUN, MA_RUN_WHOLE)
+NODES_JOB = "ma-bench-restart"  # MA_VJ_NAME of the two nodes
+NODES_PORTS = itertools.count(20000, 2)  # each two-node run's static rendezvous port (and the ranks' store, +1)
 # The caller's job settings would change what ma-run and torchrun do (a platform restart count, torchrun flags).
 FOREIGN_PREFIXES = ("MA_", "PET_", "TORCHELASTIC_", "VC_", "RANK_TABLE")
 MARK_LINE = re.compile(r"^(died|first) attempt=(\d+) rank=(\d+) ns=(\d+)$")
@@ -135,6 +174,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--python", default=sys.executable,
                         help="the workers' interpreter; torchrun is the one beside it (default: this python)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds before one run counts as hung")
+    parser.add_argument("--two-nodes", action="store_true",
+                        help="also the two-node rows (root: network namespaces, ma_runtime/local/nodes.py)")
     parser.add_argument("--json", metavar="FILE", help="also write the results (and raw samples) as JSON to FILE")
     return parser.parse_args(argv)
 
@@ -162,6 +203,69 @@ def commands(python: str, ma_run: str, worker: str, run_seconds: float) -> Dict[
         MA_RUN_WHOLE: ([ma_run, python, *script], {**torchrun_job, "MA_RUNTIME_TORCHRUN_IN_PLACE": "off",
                                                    "MA_EXTRA_TORCHRUN_PARAMS": "--max-restarts=0"}),
     }
+
+
+def node_commands(python: str, ma_run: str, worker: str, run_seconds: float, hosts: Sequence[str]):
+    """row -> a function of the run's port giving each node's (argv, the environment it adds)."""
+    torchrun = os.path.join(os.path.dirname(python), "torchrun")
+    script = [worker, repr(run_seconds)]
+    job = {"MA_RUNTIME_MAX_RESTARTS": "1", "MA_RUN_METHOD": "torchrun", "MA_NUM_GPUS": "0",
+           "MA_RUNTIME_NPROC_PER_NODE": "1"}
+
+    def static(port: int):
+        return [([torchrun, "--nnodes=2", "--nproc-per-node=1", f"--node_rank={node}", f"--master_addr={hosts[0]}",
+                  f"--master_port={port}", "--rdzv_id=bench", "--rdzv_backend=static", "--max-restarts=1", *script],
+                 {}) for node in (0, 1)]
+
+    def c10d(port: int):
+        return [([torchrun, "--nnodes=2", "--nproc-per-node=1", f"--rdzv_endpoint={hosts[0]}:{port}",
+                  "--rdzv_id=bench", "--rdzv_backend=c10d", "--max-restarts=1", *script],
+                 {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) for _ in (0, 1)]
+
+    def ours(extra: Dict[str, str]):
+        return lambda port: [([ma_run, python, *script], {**job, **extra, "MA_TORCHRUN_MASTER_PORT": str(port)})
+                             for _ in (0, 1)]
+
+    return {TORCHRUN_NODES: c10d, TORCHRUN_STATIC: static, MA_RUN_NODES: ours({}),
+            MA_RUN_NODES_WHOLE: ours({"MA_RUNTIME_TORCHRUN_IN_PLACE": "off",
+                                      "MA_EXTRA_TORCHRUN_PARAMS": "--max-restarts=0"})}
+
+
+def nodes_run(nodes, per_node, scratch: str, timeout: float, ma_run: str) -> Dict[str, Any]:
+    """One run on the two nodes (each node's command in its namespace, the marks on the shared file system)."""
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=scratch)
+    try:
+        processes = []
+        for node, (argv, extra) in enumerate(per_node(next(NODES_PORTS))):
+            home = os.path.join(run_dir, f"home-{node}")
+            os.mkdir(home)
+            env = {**clean_environment(), **nodes.environment(node), **extra, "MA_HOME": home,
+                   "RESTART_BENCH_DIR": run_dir}
+            log = Path(run_dir, f"node-{node}.err")
+            processes.append(nodes.start(node, argv, env, stdout=subprocess.DEVNULL, stderr=log))
+        codes = wait_all(processes, timeout)
+        nodes.sweep()  # what a hung run left
+        tails = "\n".join(Path(run_dir, f"node-{node}.err").read_text(errors="replace") for node in (0, 1))
+        code = None if None in codes else next((c for c in codes if c != 0), 0)
+        ours = per_node(0)[0][0][0] == ma_run
+        hint = " (an ma-run without MA_RUNTIME_MAX_RESTARTS, issue 11, does that)" if ours else ""
+        return figure(read_marks(os.path.join(run_dir, "marks")), code, tails, hint)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def wait_all(processes: Sequence[subprocess.Popen], timeout: float) -> List[Optional[int]]:
+    """Each process' exit code; those running at the deadline are killed (their whole session) and give None."""
+    deadline = time.monotonic() + timeout
+    codes: List[Optional[int]] = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            codes.append(None)
+    return codes
 
 
 def clean_environment() -> Dict[str, str]:
@@ -226,11 +330,17 @@ def last_line(text: str) -> str:
     return lines[-1][-300:] if lines else "(nothing on stderr)"
 
 
-def tasks(rows: Dict[str, Tuple[List[str], Dict[str, str]]], scratch: str, timeout: float, ma_run: str):
+def tasks(rows: Dict[str, Tuple[List[str], Dict[str, str]]], scratch: str, timeout: float, ma_run: str,
+          nodes=None, node_rows=None):
     def task(argv: List[str], extra: Dict[str, str]):
         return lambda: restart_run(argv, extra, scratch, timeout, ma_run)
 
-    return {name: task(argv, extra) for name, (argv, extra) in rows.items()}
+    def node_task(per_node):
+        return lambda: nodes_run(nodes, per_node, scratch, timeout, ma_run)
+
+    found = {name: task(argv, extra) for name, (argv, extra) in rows.items()}
+    found.update((name, node_task(per_node)) for name, per_node in (node_rows or {}).items())
+    return found
 
 
 def progress(name: str, label: str, result: Dict[str, Any]) -> None:
@@ -257,6 +367,8 @@ def failure_notes(samples: Dict[str, List[harness.Sample]]) -> Dict[str, str]:
 
 def print_rounds(samples: Dict[str, List[harness.Sample]]) -> None:
     """Each round's figures side by side, and each ma-run row / its torchrun anchor within it."""
+    if TORCHRUN_NODES in samples:
+        print_node_rounds(samples)
     print("\nper round (ms), and each ma-run row / the torchrun row of as many processes within the round")
     header = "".join(f" {SHORT[name]:>15}" for name in ROWS)
     print(f"  {'round':<6}{header} {'plain/torchrun 1':>17} {'ma-run torchrun/torchrun 2':>27} "
@@ -272,6 +384,22 @@ def print_rounds(samples: Dict[str, List[harness.Sample]]) -> None:
         print(f"  {index + 1:<6}{cells} {ratios[0]:>17} {ratios[1]:>27} {ratios[2]:>17}")
 
 
+def print_node_rounds(samples: Dict[str, List[harness.Sample]]) -> None:
+    print("\nper round (ms), two nodes, and each ma-run row / torchrun's own restart within the round")
+    print(f"  {'round':<6}" + "".join(f" {SHORT[name]:>15}" for name in NODE_ROWS)
+          + f" {'in place/c10d':>14} {'whole/c10d':>11} {'in place/static':>16}")
+    by_round: Dict[int, Dict[str, Optional[float]]] = {}
+    for name in NODE_ROWS:
+        for sample in samples[name]:
+            by_round.setdefault(sample.round, {})[name] = sample.result["seconds"]
+    for index in sorted(by_round):
+        figures = by_round[index]
+        ratios = [round_ratio(figures.get(ours), figures.get(anchor)) for ours, anchor in (
+            (MA_RUN_NODES, TORCHRUN_NODES), (MA_RUN_NODES_WHOLE, TORCHRUN_NODES), (MA_RUN_NODES, TORCHRUN_STATIC))]
+        print(f"  {index + 1:<6}" + "".join(f" {scaled_text(figures.get(name)):>15}" for name in NODE_ROWS)
+              + f" {ratios[0]:>14} {ratios[1]:>11} {ratios[2]:>16}")
+
+
 def scaled_text(seconds: Optional[float]) -> str:
     return "FAILED" if seconds is None else harness.number(seconds * 1e3, 0)
 
@@ -282,14 +410,15 @@ def round_ratio(ours: Optional[float], anchor: Optional[float]) -> str:
 
 def report(samples: Dict[str, List[harness.Sample]]) -> Dict[str, Any]:
     summaries = {}
-    for name in ROWS:
-        summary = harness.summarize(samples[name], seconds_of)
-        summaries[name] = summary.scaled(1e3) if summary else None
+    for name in (*ROWS, *NODE_ROWS):
+        if name in samples:
+            summary = harness.summarize(samples[name], seconds_of)
+            summaries[name] = summary.scaled(1e3) if summary else None
     harness.print_table("a worker's death to the relaunched worker's first line (no device wait)",
                         list(summaries.items()), "ms", 0, failure_notes(samples))
     print_rounds(samples)
     comparisons = {f"{ours} / {anchor}": harness.compare(samples[ours], samples[anchor], harness.ratio, seconds_of)
-                   for ours, anchor in ANCHOR_OF.items()}
+                   for ours, anchor in (*ANCHOR_OF.items(), *BESIDE.items()) if ours in samples}
     print()
     for label, comparison in comparisons.items():
         print(f"  {label}: {harness.comparison_text(comparison)}")
@@ -313,13 +442,23 @@ def goal_verdicts(summaries: Dict[str, Optional[harness.Summary]],
     torchrun = comparisons[f"{MA_RUN_TORCHRUN} / {TORCHRUN_TWO}"]
     torchrun_ms = summaries[MA_RUN_TORCHRUN].median if summaries[MA_RUN_TORCHRUN] else None
     anchor_ms = summaries[TORCHRUN_TWO].median if summaries[TORCHRUN_TWO] else None
-    return [
+    verdicts = [
         harness.judge(PLAIN_GOAL, plain.of_medians, f"{MA_RUN_PLAIN} / {TORCHRUN_ONE}, ratio of the medians",
                       plain.per_round, plain_note, broken=slow),
         harness.judge(TORCHRUN_GOAL, torchrun.of_medians, f"{MA_RUN_TORCHRUN} / {TORCHRUN_TWO}, ratio of the "
                       "medians", torchrun.per_round, f"{harness.figure_text(torchrun_ms, 'ms', 0)} against "
                       f"{harness.figure_text(anchor_ms, 'ms', 0)}"),
     ]
+    nodes = comparisons.get(f"{MA_RUN_NODES} / {TORCHRUN_NODES}")
+    if nodes is not None:  # --two-nodes
+        ours_ms, theirs_ms = (summaries[name].median if summaries[name] else None
+                              for name in (MA_RUN_NODES, TORCHRUN_NODES))
+        static = comparisons[f"{MA_RUN_NODES} / {TORCHRUN_STATIC}"].of_medians
+        verdicts.append(harness.judge(NODES_GOAL, nodes.of_medians, f"{MA_RUN_NODES} / {TORCHRUN_NODES}, ratio of "
+                                      "the medians", nodes.per_round, f"{harness.figure_text(ours_ms, 'ms', 0)} "
+                                      f"against {harness.figure_text(theirs_ms, 'ms', 0)}; beside, {TORCHRUN_STATIC} "
+                                      f"(no round, works for this job only): {harness.figure_text(static, 'x', 2)}"))
+    return verdicts
 
 
 def torchrun_facts(python: str) -> Dict[str, Any]:
@@ -336,14 +475,24 @@ def torchrun_facts(python: str) -> Dict[str, Any]:
 def environment_info(args: argparse.Namespace, facts: Dict[str, Any]) -> Dict[str, Any]:
     return {
         "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
-        "rounds": args.rounds, "warmup": args.warmup, "run_seconds": args.run_seconds,
+        "rounds": args.rounds, "warmup": args.warmup, "run_seconds": args.run_seconds, "two_nodes": args.two_nodes,
         "ma_run": args.ma_run, "workers_python": args.python, **facts,
     }
+
+
+def stop_on_signal(signum, _frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}: cleaning up")  # the nodes' finally removes the namespaces
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     facts = torchrun_facts(args.python)
+    lacking = local_nodes.missing() if args.two_nodes else []
+    if lacking:
+        sys.exit(f"--two-nodes needs {', '.join(lacking)} (network namespaces): run as root, or without it")
+    nodes = local_nodes.Nodes(2, job=NODES_JOB, prefix="ma-bench-rs") if args.two_nodes else None
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop_on_signal)
     with tempfile.TemporaryDirectory(prefix="ma-bench-restart-") as scratch:
         worker = os.path.join(scratch, "worker.py")
         with open(worker, "w") as handle:
@@ -351,11 +500,19 @@ def main(argv: Sequence[str]) -> int:
         harness.print_header(f"restart latency: ma-run ({args.ma_run}) against torchrun {facts['torch']} "
                              f"(default monitor interval {facts['torchrun_default_monitor_interval_s']:g} s)",
                              args.rounds, args.warmup)
-        for goal in (PLAIN_GOAL, TORCHRUN_GOAL):
+        for goal in (PLAIN_GOAL, TORCHRUN_GOAL, *((NODES_GOAL,) if nodes else ())):
             harness.print_goal(goal)
         rows = commands(args.python, args.ma_run, worker, args.run_seconds)
-        samples = harness.round_robin(tasks(rows, scratch, args.timeout, args.ma_run), args.rounds, args.warmup,
-                                      progress)
+        try:
+            node_rows = None
+            if nodes is not None:
+                nodes.create()
+                node_rows = node_commands(args.python, args.ma_run, worker, args.run_seconds, nodes.hosts)
+            samples = harness.round_robin(tasks(rows, scratch, args.timeout, args.ma_run, nodes, node_rows),
+                                          args.rounds, args.warmup, progress)
+        finally:
+            if nodes is not None:
+                nodes.close(grace=0)  # each run swept what it left: the rest is killed at once
     results = report(samples)
     if args.json:
         payload = {"environment": environment_info(args, facts), **results, "run": harness.run_record(results["goals"]),

@@ -35,10 +35,11 @@ is the job's service, started once per run with a restart budget that never runs
 itself; each rank is torchrun_gate.py's shim, which waits until the attempt's worker, torchrun_gate.py's gate,
 lets it go with the attempt's environment (MA_PROC_START_CNT with it). The runtime's attempt loop, its policy and
 the job-wide agreement are unchanged: a restart costs what torchrun's own costs, not a new agent's torch import.
-The agent is restarted whole instead (one `torchrun` per attempt, as before) on several nodes (their static
-rendezvous keeps one store across restarts: see _FRESH_STORE), where MA_EXTRA_TORCHRUN_PARAMS names --max-restarts
-(the job asks for torchrun's own restarts inside an attempt), --module or --no-python (the program is not the shim
-then), or processes per node that are no number (`auto`, `gpu`).
+Several nodes restart in place on the platform's static rendezvous, each attempt's ranks with a store of their own
+(ranks_store_port; docs/torchrun-in-place.md, "Several nodes"). The agent is restarted whole instead (one `torchrun`
+per attempt, as before) where MA_EXTRA_TORCHRUN_PARAMS names --max-restarts (the job asks for torchrun's own restarts
+inside an attempt), --module or --no-python (the program is not the shim then), on several nodes another rendezvous
+backend or an endpoint, or processes per node that are no number (`auto`, `gpu`).
 """
 
 import json
@@ -126,10 +127,12 @@ class Torchrun(Launcher):
         agent = WorkerPlan(self.NAME, (launcher, *flags, f"--max-restarts={AGENT_RESTARTS}", GATE_SCRIPT,
                                        "shim"), {**_FRESH_STORE, **env}, logs=logs)
         # The program is the attempt's: the gate gives it to each rank with the attempt's environment.
+        # Several nodes: the ranks of each attempt get a store of their own (_ranks_store), as on one node.
+        store = ("--store-port", str(ranks_store_port(spec, flags))) if spec.num_hosts > 1 else ()
         gate = WorkerPlan(GATE, (sys.executable, "-I", GATE_SCRIPT, "gate", "--agent",
                                  str(agent_file(spec)), "--nproc", str(count), "--kill-after",
-                                 f"{_kill_after(spec.stop_grace_seconds):g}", "--", *_shim_program(context.argv)),
-                          env, logs=logs)
+                                 f"{_kill_after(spec.stop_grace_seconds):g}", *store, "--",
+                                 *_shim_program(context.argv)), env, logs=logs)
         return Plan(self.NAME, why, (gate,), nodes, count, services=(agent,))
 
     def start_services(self, spec, environ: Mapping[str, str], log, stopped, sinks, command=()) -> None:
@@ -148,6 +151,8 @@ class Torchrun(Launcher):
         flags = _flags(spec)
         master = _flag_value(flags, "master_addr") or plan.node.master
         port = _flag_value(flags, "master_port") or spec.torchrun_master_port
+        if plan.services and spec.num_hosts > 1:  # restarted in place: the ranks' store, as their gate gives it
+            port = ranks_store_port(spec, flags)
         rank = _flag_value(flags, "node_rank")
         return JobVariables(str(master), port, plan.nodes, plan.node.node_rank if rank == "" else rank,
                             plan.processes_per_node)
@@ -180,8 +185,27 @@ LAUNCHER = Torchrun()
 
 def in_place(spec, flags: Sequence[str], count: Any) -> bool:
     """Whether this job's torchrun is restarted in place (the module docstring says when not)."""
-    return (bool(spec.torchrun_in_place) and spec.num_hosts <= 1 and isinstance(count, int) and "-m" not in flags
-            and not _flag_names(flags) & set(_NOT_IN_PLACE))
+    return (bool(spec.torchrun_in_place) and isinstance(count, int) and "-m" not in flags
+            and not _flag_names(flags) & set(_NOT_IN_PLACE) and (spec.num_hosts <= 1 or _static(flags)))
+
+
+def _static(flags: Sequence[str]) -> bool:
+    """Several nodes restart in place on torch's static rendezvous (the platform's, torchrun's default): its agents
+    restart only when their own ranks end (its num_nodes_waiting is always 0) and keep the node ranks the job gives
+    (--node_rank). A job that names another backend, or an endpoint, has its torchrun restarted whole."""
+    return _flag_value(flags, "rdzv_backend") in ("", "static") and "rdzv_endpoint" not in _flag_names(flags)
+
+
+def ranks_store_port(spec, flags: Sequence[str]) -> int:
+    """The port of the store that global rank 0 hosts for its attempt's ranks on several nodes restarted in place:
+    the one after the agent's (--master_port, which the agents' static store holds for the whole run), the one
+    before it for 65535. The same on every node and for every attempt; each attempt's rank 0 opens it anew."""
+    given = _flag_value(flags, "master_port")
+    agents = spec.torchrun_master_port if given == "" else given
+    if not isinstance(agents, int) or not 0 < agents <= 65535:
+        raise ConfigError(f"MA_EXTRA_TORCHRUN_PARAMS gives --master_port={agents}: not a port",
+                          hint="a number from 1 to 65535")
+    return agents + 1 if agents < 65535 else agents - 1
 
 
 def agent_file(spec) -> Path:

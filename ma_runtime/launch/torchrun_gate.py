@@ -19,10 +19,12 @@ The shim (`python -u torchrun_gate.py shim`), as torchrun starts it, the leader 
   its termination message and the guard's pipes are the same; tells the gate it started and, when it ends, how
   (`exit`), and exits as its child did.
 
-The gate (`torchrun_gate.py gate --agent FILE --nproc N --kill-after SECONDS -- PROGRAM`), one attempt's worker:
+The gate (`torchrun_gate.py gate --agent FILE --nproc N --kill-after SECONDS [--store-port PORT] -- PROGRAM`), one
+attempt's worker:
 - reads the agent's pid and socket prefix from FILE (written when the service starts), lets every local rank go
   with the program, its own stdout and stderr, and its environment's difference to the agent's (torchrun's
-  per-rank variables left as torchrun set them);
+  per-rank variables left as torchrun set them, but for --store-port on several nodes: MASTER_PORT=PORT and
+  TORCHELASTIC_USE_AGENT_STORE=False, a store of the attempt's own for its ranks, see _ranks_store);
 - collects the exits. The first non-zero one is the attempt's: once every rank is gone (torchrun stops the
   others and restarts the group, whose new shims wait at the gate) it prints torchrun's summary for it (`Root
   Cause (first observed failure):`, the rank and its exit code: launch/torchrun.root_cause reads it) and exits
@@ -183,9 +185,10 @@ def _tell(sock, address, message):
 
 
 class _Gate:
-    def __init__(self, agent, prefix, nproc, kill_after, program):
+    def __init__(self, agent, prefix, nproc, kill_after, program, store_port=None):
         self.agent, self.prefix, self.nproc, self.kill_after = agent, prefix, nproc, kill_after
         self.program = program
+        self.store = _ranks_store(store_port)
         self.attempt = int(os.environ.get("MA_PROC_START_CNT", "0"))
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
@@ -219,6 +222,7 @@ class _Gate:
         mine = {name: value for name, value in os.environ.items() if not _torchrun_name(name)}
         changed = {name: value for name, value in mine.items() if agent_env.get(name) != value}
         gone = [name for name in agent_env if name not in mine and not _torchrun_name(name)]
+        changed.update(self.store)
         return json.dumps({"attempt": self.attempt, "program": self.program, "set": changed,
                            "unset": gone}).encode()
 
@@ -310,6 +314,17 @@ class _Gate:
             time.sleep(0.02)
 
 
+def _ranks_store(port):
+    """What replaces torchrun's store variables on several nodes: torch's static rendezvous keeps one TCPStore, the
+    agents', for the whole run, and by default its ranks use it too (TORCHELASTIC_USE_AGENT_STORE=True, no prefix
+    per restart: torch/distributed/rendezvous.py `_create_c10d_store`), so a restart's ranks would read the
+    addresses the last attempt's left there. With these, global rank 0 hosts a new store for its attempt's ranks on
+    MASTER_ADDR:port, as torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE gives on one node."""
+    if port is None:
+        return {}
+    return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
 def _torchrun_name(name):
     return name in TORCHRUN_NAMES or name.startswith(TORCHRUN_PREFIXES)
 
@@ -345,8 +360,9 @@ def gate(argv):
     value = dict(zip(options[::2], options[1::2]))
     with open(value["--agent"]) as handle:
         agent = json.load(handle)
+    store_port = int(value["--store-port"]) if "--store-port" in value else None
     return _Gate(int(agent["pid"]), agent["prefix"], int(value["--nproc"]), float(value["--kill-after"]),
-                 program).run()
+                 program, store_port).run()
 
 
 if __name__ == "__main__":

@@ -11,10 +11,13 @@ import time
 
 import pytest
 
+from ma_runtime.errors import ConfigError
 from ma_runtime.launch import torchrun, torchrun_gate
 from ma_runtime.spec import load
 from tests.conftest import alive
 from tests.unit.test_plan import PATH, build, which_from
+
+SEVERAL = {"MA_NUM_HOSTS": 2, "VC_TASK_INDEX": 1, "VC_WORKER_HOSTS": "a.job,b.job", "MA_VJ_NAME": "ma-job-x"}
 
 
 @pytest.fixture
@@ -60,8 +63,12 @@ def test_in_place_a_program_that_is_not_a_python_script_runs_as_given(job):
     {"MA_EXTRA_TORCHRUN_PARAMS": "-m"},
     {"MA_EXTRA_TORCHRUN_PARAMS": "--nproc-per-node=auto"},  # how many ranks wait at the gate is torchrun's
     {"MA_RUNTIME_TORCHRUN_IN_PLACE": "off"},
-    # Several nodes: their static rendezvous keeps one store for every restart (launch/torchrun.py _FRESH_STORE).
-    {"MA_NUM_HOSTS": 2, "VC_TASK_INDEX": 0, "VC_WORKER_HOSTS": "a.job,b.job"},
+    {**SEVERAL, "MA_RUNTIME_TORCHRUN_IN_PLACE": "off"},
+    # Several nodes on another rendezvous than static: c10d's agents re-join each other's rounds (its node ranks
+    # are no longer --node_rank either: docs/torchrun-in-place.md, "Several nodes").
+    {**SEVERAL, "MA_EXTRA_TORCHRUN_PARAMS": "--rdzv_backend=c10d --rdzv_endpoint=a.job:29400"},
+    {**SEVERAL, "MA_EXTRA_TORCHRUN_PARAMS": "--rdzv-backend c10d"},
+    {**SEVERAL, "MA_EXTRA_TORCHRUN_PARAMS": "--rdzv-endpoint=a.job:29400"},
 ])
 def test_these_jobs_torchrun_is_restarted_whole(job, variables):
     job_spec, environ = job(**variables)
@@ -71,6 +78,37 @@ def test_these_jobs_torchrun_is_restarted_whole(job, variables):
         "torchrun", "/opt/bin/torchrun", "train.py", ())
 
 
+@pytest.mark.parametrize("variables, agents, ranks", [
+    ({}, 18888, 18889),
+    ({"MA_TORCHRUN_MASTER_PORT": 29500}, 29500, 29501),
+    ({"MA_EXTRA_TORCHRUN_PARAMS": "--master-port 65535"}, 65535, 65534),
+    ({"MA_EXTRA_TORCHRUN_PARAMS": "--rdzv_backend=static"}, 18888, 18889),  # naming the preset's own: in place
+])
+def test_several_nodes_restart_in_place_on_the_static_rendezvous_with_a_store_for_each_attempts_ranks(
+        job, variables, agents, ranks):
+    job_spec, environ = job(**SEVERAL, **variables)
+    result = build(job_spec, environ, ["python", "train.py"], which=which_from("torchrun"))
+    (agent,), (gate,) = result.services, result.workers
+    # The platform's command (its node rank, its master) with the agent's budget: the agents' store is --master_port.
+    assert {"--nnodes=2", "--nproc_per_node=2", "--node_rank=1", "--master_addr=a.job",
+            "--rdzv_backend=static"} <= set(agent.argv)
+    assert torchrun._flag_value(agent.argv, "master_port") == agents
+    assert agent.argv[-3:] == (f"--max-restarts={torchrun.AGENT_RESTARTS}", torchrun_gate.__file__, "shim")
+    # Each attempt's ranks: a store of their own, hosted by global rank 0 on the next port (torch's static
+    # rendezvous keeps the agents' one store for the whole run).
+    assert gate.argv[gate.argv.index("--store-port") + 1] == str(ranks)
+    assert gate.env["MASTER_PORT"] == str(ranks) and gate.env["NODE_RANK"] == "1"
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000"])
+def test_several_nodes_with_a_master_port_that_is_no_port_is_one_line_and_78(job, port):
+    job_spec, environ = job(**SEVERAL, MA_EXTRA_TORCHRUN_PARAMS=f"--master_port={port}")
+    with pytest.raises(ConfigError) as caught:
+        build(job_spec, environ, ["python", "train.py"], which=which_from("torchrun"))
+    assert caught.value.exit_code == 78
+    assert caught.value.reason == f"MA_EXTRA_TORCHRUN_PARAMS gives --master_port={port}: not a port"
+
+
 def test_the_gate_kills_the_ranks_inside_the_runtimes_grace():
     assert [torchrun._kill_after(grace) for grace in (15.0, 3.0, 1.0)] == [13.0, 1.5, 0.5]
 
@@ -78,21 +116,22 @@ def test_the_gate_kills_the_ranks_inside_the_runtimes_grace():
 # --------------------------------------------------------------------------- the gate and the shim, as processes
 
 
-def gate_run(tmp_path, agent_pid, program, attempt="2", nproc=1):
+def gate_run(tmp_path, agent_pid, program, attempt="2", nproc=1, options=()):
     """The gate of attempt `attempt` for the agent `agent_pid` (any process: the gate reads its environment)."""
     agent = tmp_path / "agent.json"
     agent.write_text(json.dumps({"pid": agent_pid, "prefix": f"test-{os.getpid()}-{tmp_path.name}"}))
     env = {**os.environ, "MA_PROC_START_CNT": attempt, "ONLY_THE_ATTEMPT_SETS": "this"}
     argv = [sys.executable, "-I", torchrun_gate.__file__, "gate", "--agent", str(agent), "--nproc", str(nproc),
-            "--kill-after", "5", "--", *program]
+            "--kill-after", "5", *options, "--", *program]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def shim(tmp_path, local_rank, rank):
-    """A rank's shim as torchrun starts it: its own group, torchrun's per-rank variables."""
+    """A rank's shim as torchrun starts it: its own group, torchrun's per-rank variables (the static rendezvous'
+    store: the agents')."""
     prefix = f"test-{os.getpid()}-{tmp_path.name}"
     env = {**os.environ, torchrun_gate.PREFIX_ENV: prefix, "LOCAL_RANK": str(local_rank), "RANK": str(rank),
-           "MA_PROC_START_CNT": "1"}
+           "MA_PROC_START_CNT": "1", "MASTER_PORT": "18888", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     return subprocess.Popen([sys.executable, "-u", torchrun_gate.__file__, "shim"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -123,6 +162,15 @@ def test_the_gate_lets_each_rank_run_with_the_attempts_number_and_ends_as_the_fi
     assert gate.returncode in (2, 3) and "Root Cause (first observed failure):" in err, err
     assert err.rstrip().endswith("=" * 60)
     assert sorted(process.wait(timeout=30) for process in shims) == [2, 3]
+
+
+def test_several_nodes_ranks_use_the_store_their_gate_names_not_the_agents(tmp_path, shims):
+    with subprocess.Popen(["sleep", "60"]) as agent:
+        shims.append(shim(tmp_path, 0, 2))
+        program = ["--program", "sh", "-c", 'echo "$RANK $MASTER_PORT $TORCHELASTIC_USE_AGENT_STORE"']
+        out, err = gate_run(tmp_path, agent.pid, program, options=("--store-port", "18889")).communicate(timeout=60)
+        agent.kill()
+    assert out.splitlines() == ["2 18889 False"], err
 
 
 def test_the_gate_of_an_agent_that_is_gone_says_so_and_exits_1(tmp_path):
