@@ -245,6 +245,8 @@ class LinePump:
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Waits up to `timeout` seconds for the pipe's EOF (every line written), as Thread.join does."""
+        if not self._started:
+            raise RuntimeError(f"cannot join {self.name} before it is started")
         if not self._done.is_set():
             # Whoever joins has seen the command end: the reader stops waiting for more lines (not a window later).
             _reactor.hurry()

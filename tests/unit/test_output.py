@@ -254,3 +254,23 @@ def test_a_forked_child_gets_a_reader_of_its_own(tmp_path):
     parent_pump.join(10)
     parent_log.close()
     assert (tmp_path / "parent").read_bytes() == b"before the fork\nafter the fork\n"
+
+
+def test_no_line_waits_longer_than_the_longest_window_however_many_pipes_print():
+    assert output._window(1) == output.COALESCE_SECONDS  # one pipe: as its own thread once waited
+    assert output._window(2) == 2 * output.COALESCE_SECONDS
+    assert max(output._window(pipes) for pipes in range(1, 1025)) == output.COALESCE_MAX_SECONDS
+
+
+def test_a_pump_is_joined_after_it_is_started_and_started_once():
+    read_fd, write_fd = os.pipe()
+    pump = LinePump(read_fd, [], "once")
+    with pytest.raises(RuntimeError, match="before it is started"):
+        pump.join(0)
+    assert not pump.is_alive()
+    pump.start()
+    with pytest.raises(RuntimeError, match="started already"):
+        pump.start()
+    os.close(write_fd)
+    pump.join(10)
+    assert not pump.is_alive()
