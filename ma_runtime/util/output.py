@@ -29,8 +29,10 @@ READ_SIZE = 1 << 16
 COALESCE_BELOW = READ_SIZE // 4
 COALESCE_SECONDS = 0.02
 # With several pipes printing, the window grows by COALESCE_SECONDS per pipe that gave bytes (`_window`), up to
-# COALESCE_MAX_SECONDS: the longest a line waits for the reader.
+# COALESCE_MAX_SECONDS: the longest a line waits for the reader ...
 COALESCE_MAX_SECONDS = 0.1
+# ... and doubles with each round that brought no large read, CALM_ROUNDS times at most (20 ms -> 160 ms: the cap).
+CALM_ROUNDS = 3
 # `\r` ends a line too: progress bars (tqdm) redraw with it and never print `\n`.
 LINE_ENDS = (b"\n", b"\r")
 DEFAULT_MAX_LINE_BYTES = 64 << 20
@@ -367,7 +369,7 @@ class _Reactor:
 
     The thread is a daemon, started with the first pipe and ended when the last one reaches EOF (started again
     by the next). Signals: Python runs handlers in the main thread only, and nothing here is shared with them.
-    A fork's child (the guard) gets a fresh reactor without the parent's epoll or thread (`_after_fork`).
+    A fork's child (the guard) gets a fresh reactor without the parent's epoll or thread (`_after_fork_in_child`).
     """
 
     def __init__(self) -> None:
@@ -394,17 +396,18 @@ class _Reactor:
         self._hurry.set()
 
     def _run(self, epoll: select.epoll) -> None:
-        busy, reading = False, 1
+        busy, reading, calm = False, 1, 0
         while True:
             try:
                 events = epoll.poll()
                 if not busy and any(event & _GONE == 0 for _, event in events):
                     # A line came: give the lines that follow it, on this pipe and the others, time to come
                     # too. (A pipe whose writers all left has nothing more to wait for; nor has a join.)
-                    if self._hurry.wait(_window(reading)):
+                    if self._hurry.wait(_window(reading, calm)):
                         self._hurry.clear()
                     events = epoll.poll(0)
                 busy, reading, ended = self._round(events)
+                calm = 0 if busy else min(calm + 1, CALM_ROUNDS)
                 if ended and self._drop(epoll, ended):
                     return
             except Exception as exc:  # a bug of ours: said once, and the pipes still drained
@@ -475,15 +478,18 @@ def _read(fd: int) -> Optional[bytes]:
         return b""
 
 
-def _window(reading: int) -> float:
-    """How long the reader waits after a line for the ones that follow, `reading` pipes having given bytes last.
+def _window(reading: int, calm: int) -> float:
+    """How long the reader waits after a line for the ones that follow: `reading` pipes gave bytes in the last
+    round, and the last `calm` rounds (CALM_ROUNDS at most) brought no large read.
 
-    One pipe: COALESCE_SECONDS, as each pipe's own thread once did. A round costs a read per pipe and a write
-    per rank's log whatever the lines, and a cold wake-up (about 26 µs of CPU per pipe read, 64 ranks), so with
-    many pipes each printing a little the window grows with them, up to COALESCE_MAX_SECONDS: the most a line
-    is held back. 5 000 lines/s from 64 ranks: 8 lines per pipe per round at 100 ms, where 20 ms gave 1.5.
+    A round costs a cold wake-up (about 300 µs of CPU with one pipe on 2 shared cores), and a read and a write
+    per rank's log (about 26 µs per pipe, 64 ranks) whatever the lines: the longer the window, the more lines
+    share them. It starts at COALESCE_SECONDS, as each pipe's own thread once waited, doubles with each calm
+    round and grows with the pipes printing, up to COALESCE_MAX_SECONDS: the most a line is held back. A large
+    read starts it over (`calm` 0): a writer that bursts is blocked on its full pipe a window at most, once.
+    5 000 lines/s from 64 ranks: 8 lines per pipe per round at 100 ms, where 20 ms gave 1.5.
     """
-    return min(COALESCE_MAX_SECONDS, COALESCE_SECONDS * max(1, reading))
+    return min(COALESCE_MAX_SECONDS, COALESCE_SECONDS * max(1, reading) * (1 << calm))
 
 
 _reactor = _Reactor()
