@@ -3,11 +3,12 @@
 Each destination (the console's stdout, the console's stderr, the task log
 file) is a `Sink` with its own lock; every writer hands it complete lines, so
 no line is ever split by, or merged with, another writer's line. A `LinePump`
-thread reads one worker pipe in large chunks and cuts each chunk after its last
-line end: the bytes themselves are never parsed line by line, which is what
-keeps forwarding fast. A pump may also give some sinks (the console of a
-multi-rank job) a per-line prefix such as `[rank-3] `: only those sinks pay for
-it, with a few C-level `bytes.replace` calls per chunk.
+follows one worker pipe; one reader thread per process (`_Reactor`) reads every
+pipe in large chunks, and each pump cuts its chunk after its last line end: the
+bytes themselves are never parsed line by line, which is what keeps forwarding
+fast. A pump may also give some sinks (the console of a multi-rank job) a
+per-line prefix such as `[rank-3] `: only those sinks pay for it, with a few
+C-level `bytes.replace` calls per chunk.
 """
 
 import collections
@@ -16,7 +17,7 @@ import os
 import select
 import threading
 import time
-from typing import Deque, List, Optional, Sequence, Tuple, Union
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 READ_SIZE = 1 << 16
 # A read that brings less than this is followed by a short wait for more: a training job prints a
@@ -24,9 +25,14 @@ READ_SIZE = 1 << 16
 # however few lines they carry (benchmarks/forwarding.py, paced: 15 lines per read at 5 ms gave
 # 4.75 µs per line, issue 29's goal is 2). Waiting COALESCE_SECONDS gathers the lines that follow
 # (about 100 at 5 000 lines/s); a line reaches the console at most that much later, which no reader
-# of a console sees. A busy writer fills whole reads and never waits.
+# of a console sees. A busy writer fills whole reads and never waits (reads of COALESCE_BELOW or more).
 COALESCE_BELOW = READ_SIZE // 4
 COALESCE_SECONDS = 0.02
+# With several pipes printing, the window grows by COALESCE_SECONDS per pipe that gave bytes (`_window`), up to
+# COALESCE_MAX_SECONDS: the longest a line waits for the reader ...
+COALESCE_MAX_SECONDS = 0.1
+# ... and doubles with each round that brought no large read, CALM_ROUNDS times at most (20 ms -> 160 ms: the cap).
+CALM_ROUNDS = 3
 # `\r` ends a line too: progress bars (tqdm) redraw with it and never print `\n`.
 LINE_ENDS = (b"\n", b"\r")
 DEFAULT_MAX_LINE_BYTES = 64 << 20
@@ -203,89 +209,111 @@ def _check_prefix(prefix: bytes) -> bytes:
     return prefix
 
 
-class LinePump(threading.Thread):
-    """Copies one pipe to its sinks in whole lines until EOF, keeping a tail."""
+class LinePump:
+    """Copies one pipe to its sinks in whole lines until EOF, keeping a tail.
+
+    It has no thread of its own: the process's one reader (`_Reactor`) reads every pipe and feeds each pump
+    what came (`_feed`); `start()` hands the pipe to it and `join()` waits for the pipe's EOF, once all its
+    lines are written. The pump only holds what a pipe's bytes mean: the unfinished last line, the prefixes,
+    the tail.
+    """
 
     def __init__(self, fd: int, sinks: Sequence[SinkSpec], name: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
-        super().__init__(name=f"pump-{name}", daemon=True)
+        self.name = f"pump-{name}"
         self.fd = fd
         # Raw sinks get whole chunks as read; prefixed ones a rewritten copy.
         self.sinks: List[Sink] = [s for s in sinks if isinstance(s, Sink)]
         self.prefixed = [(s[0], _check_prefix(s[1])) for s in sinks if not isinstance(s, Sink)]
+        # The prefixed sinks by prefix (the console and the task log share a rank's): one rewrite per prefix.
+        self._by_prefix: Dict[bytes, List[Sink]] = {}
+        for sink, prefix in self.prefixed:
+            self._by_prefix.setdefault(prefix, []).append(sink)
         self._after_cr = False  # the last chunk ended with `\r`: a leading `\n` completes that line
         self.max_line_bytes = max_line_bytes
+        self._pending: List[bytes] = []  # the line being read: bytes after the last line end so far
+        self._pending_bytes = 0
         self._tail: Deque[bytes] = collections.deque()
         self._tail_bytes = 0
         self.lines_split = 0
         self._emit_failed = False
+        self._started = False
+        self._done = threading.Event()  # set at EOF, once every line was handed to the sinks
 
-    def run(self) -> None:
-        pending: List[bytes] = []
-        pending_bytes = 0
+    def start(self) -> None:
+        if self._started:
+            raise RuntimeError(f"{self.name} was started already")
+        self._started = True
+        _reactor.add(self)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Waits up to `timeout` seconds for the pipe's EOF (every line written), as Thread.join does."""
+        if not self._started:
+            raise RuntimeError(f"cannot join {self.name} before it is started")
+        if not self._done.is_set():
+            # Whoever joins has seen the command end: the reader stops waiting for more lines (not a window later).
+            _reactor.hurry()
+            self._done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return self._started and not self._done.is_set()
+
+    # ------------------------------------------------------------------ the reader's side
+
+    def _feed(self, chunk: bytes, out: "_Batch") -> None:
+        """One read's bytes: the whole lines among them (with what was pending) go out, the rest waits."""
+        cut = _last_line_end(chunk)
+        if cut < 0:
+            self._pending.append(chunk)
+            self._pending_bytes += len(chunk)
+            if self._pending_bytes >= self.max_line_bytes:
+                # Bounded memory wins over one absurd line; counted and logged.
+                self.lines_split += 1
+                self._emit(b"".join(self._pending) + b"\n", out)
+                self._pending, self._pending_bytes = [], 0
+            return
+        if self._pending:
+            self._pending.append(chunk[: cut + 1])
+            self._emit(b"".join(self._pending), out)
+            self._pending, self._pending_bytes = [], 0
+        else:
+            self._emit(chunk[: cut + 1], out)  # the whole chunk itself (no copy) when it ends a line
+        if cut + 1 < len(chunk):
+            rest = chunk[cut + 1 :]
+            self._pending, self._pending_bytes = [rest], len(rest)
+
+    def _finish(self, out: "_Batch") -> None:
+        """EOF: the command's last words, unterminated, become a line of their own; the pipe is closed."""
+        if self._pending:
+            self._emit(b"".join(self._pending) + b"\n", out)
+            self._pending, self._pending_bytes = [], 0
         try:
-            while True:
-                chunk = self._read()
-                if not chunk:
-                    break
-                cut = _last_line_end(chunk)
-                if cut < 0:
-                    pending.append(chunk)
-                    pending_bytes += len(chunk)
-                    if pending_bytes >= self.max_line_bytes:
-                        # Bounded memory wins over one absurd line; counted and logged.
-                        self.lines_split += 1
-                        self._emit(b"".join(pending) + b"\n")
-                        pending, pending_bytes = [], 0
-                    continue
-                pending.append(chunk[: cut + 1])
-                self._emit(b"".join(pending))
-                rest = chunk[cut + 1 :]
-                pending, pending_bytes = ([rest], len(rest)) if rest else ([], 0)
-        finally:
-            if pending:
-                # The command's last words, unterminated: keep them as their own line.
-                self._emit(b"".join(pending) + b"\n")
             os.close(self.fd)
+        except OSError:
+            pass
 
-    def _read(self) -> bytes:
-        """The next chunk, b"" at EOF; a small one grows by what arrives in the next COALESCE_SECONDS."""
-        chunk = os.read(self.fd, READ_SIZE)
-        if not chunk or len(chunk) >= COALESCE_BELOW:
-            return chunk
-        time.sleep(COALESCE_SECONDS)
-        parts = [chunk]
-        size = len(chunk)
-        # Only what is there already. EOF (readable, empty) ends the gathering; the next read sees it again.
-        while size < READ_SIZE and select.select([self.fd], [], [], 0)[0]:
-            more = os.read(self.fd, READ_SIZE - size)
-            if not more:
-                break
-            parts.append(more)
-            size += len(more)
-        return b"".join(parts)
-
-    def _emit(self, data: bytes) -> None:
+    def _emit(self, data: bytes, out: "_Batch") -> None:
         try:
-            self._emit_all(data)
+            for sink in self.sinks:
+                out.add(sink, data, self)
+            if self.prefixed:
+                self._emit_prefixed(data, out)
+            self._keep_tail(data)
         except Exception as exc:  # a bug of ours must not stop the draining: the worker would block on its pipe
-            if not self._emit_failed:
-                self._emit_failed = True
-                reporter.warn("output forwarding failed; the output is still drained", pump=self.name,
-                              error=f"{type(exc).__name__}: {exc}")
+            self._failed(exc)
 
-    def _emit_all(self, data: bytes) -> None:
-        for sink in self.sinks:
-            sink.write(data)
-        if self.prefixed:
-            self._emit_prefixed(data)
-        self._keep_tail(data)
+    def _failed(self, exc: Exception) -> None:
+        if not self._emit_failed:
+            self._emit_failed = True
+            reporter.warn("output forwarding failed; the output is still drained", pump=self.name,
+                          error=f"{type(exc).__name__}: {exc}")
 
-    def _emit_prefixed(self, data: bytes) -> None:
-        # One write per sink for the whole chunk: the Sink's lock keeps it whole.
+    def _emit_prefixed(self, data: bytes, out: "_Batch") -> None:
         lead = not (self._after_cr and data[:1] == b"\n")
         self._after_cr = data[-1:] == b"\r"
-        for sink, prefix in self.prefixed:
-            sink.write(prefix_lines(data, prefix, lead))
+        for prefix, sinks in self._by_prefix.items():
+            rewritten = prefix_lines(data, prefix, lead)
+            for sink in sinks:
+                out.add(sink, rewritten, self)
 
     def _keep_tail(self, data: bytes) -> None:
         self._tail.append(data[-TAIL_BYTES:])
@@ -297,6 +325,187 @@ class LinePump(threading.Thread):
         text = b"".join(self._tail).decode("utf-8", "replace")
         lines = [line for line in text.replace("\r", "\n").split("\n") if line.strip()]
         return lines[-count:]
+
+
+class _Batch:
+    """What one round of reads gives each sink: written as one write per sink (its lock keeps it whole).
+
+    Each piece is whole lines of one pipe, added in the order read, so a sink still gets every pipe's lines
+    in order and never a line cut; what the batch saves is the writes (and lock hand-offs): the console's
+    stdout, its stderr and the task log take one write per round whatever the number of ranks, a rank's
+    proc log one for its stdout and stderr together.
+    """
+
+    def __init__(self) -> None:
+        # By the sink object itself (a Sink hashes by identity): its pieces, and the pumps they came from.
+        self._by_sink: Dict[Sink, Tuple[List[bytes], List[LinePump]]] = {}
+
+    def add(self, sink: Sink, data: bytes, pump: LinePump) -> None:
+        entry = self._by_sink.get(sink)
+        if entry is None:
+            self._by_sink[sink] = ([data], [pump])
+        else:
+            entry[0].append(data)
+            entry[1].append(pump)
+
+    def flush(self) -> None:
+        for sink, (pieces, pumps) in self._by_sink.items():
+            try:
+                sink.write(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+            except Exception as exc:  # a Sink never raises; another destination (a bug of ours) must not stop the reads
+                for pump in pumps:
+                    pump._failed(exc)
+        self._by_sink.clear()
+
+
+class _Reactor:
+    """The process's one reader of every pump's pipe: a thread that waits on them all with epoll.
+
+    A thread per pipe woke once per line a rank printed, and the thread hand-offs grew with the ranks
+    (benchmarks/forwarding.py, 64 ranks at 5 000 lines/s in all: 80 µs of supervisor CPU per line, 1.9 with one).
+    Here, once a pipe is readable, the reader waits for the coalescing window (`_window`), then reads every
+    pipe that is ready, once each, and writes each sink once (`_Batch`). A reader that fills a large part of
+    a read (a busy writer) does not wait: the next round starts at once, as a blocked writer needs.
+
+    The thread is a daemon, started with the first pipe and ended when the last one reaches EOF (started again
+    by the next). Signals: Python runs handlers in the main thread only, and nothing here is shared with them.
+    A fork's child (the guard) gets a fresh reactor without the parent's epoll or thread (`_after_fork_in_child`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the pumps, the epoll and the thread: changed by add() and by the reader
+        self._pumps: Dict[int, LinePump] = {}
+        self._epoll: Optional[select.epoll] = None
+        self._thread: Optional[threading.Thread] = None
+        self._warned = False
+        self._hurry = threading.Event()  # set by a join: the window ends now
+
+    def add(self, pump: LinePump) -> None:
+        with self._lock:
+            if self._epoll is None:
+                self._epoll = select.epoll()
+            # Registered from this thread while the reader may be waiting: epoll takes it at once.
+            self._epoll.register(pump.fd, select.EPOLLIN)
+            self._pumps[pump.fd] = pump
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, args=(self._epoll,), name="output-reader",
+                                                daemon=True)
+                self._thread.start()
+
+    def hurry(self) -> None:
+        self._hurry.set()
+
+    def _run(self, epoll: select.epoll) -> None:
+        busy, reading, calm = False, 1, 0
+        while True:
+            try:
+                events = epoll.poll()
+                if not busy and any(event & _GONE == 0 for _, event in events):
+                    # A line came: give the lines that follow it, on this pipe and the others, time to come
+                    # too. (A pipe whose writers all left has nothing more to wait for; nor has a join.)
+                    if self._hurry.wait(_window(reading, calm)):
+                        self._hurry.clear()
+                    events = epoll.poll(0)
+                busy, reading, ended = self._round(events)
+                calm = 0 if busy else min(calm + 1, CALM_ROUNDS)
+                if ended and self._drop(epoll, ended):
+                    return
+            except Exception as exc:  # a bug of ours: said once, and the pipes still drained
+                self._failed(exc)
+                time.sleep(COALESCE_SECONDS)
+
+    def _round(self, events) -> Tuple[bool, int, List[LinePump]]:
+        """Reads each ready pipe once and writes what came: (a read was large, pipes that gave bytes, EOFs)."""
+        batch = _Batch()
+        busy, reading, ended = False, 0, []
+        for fd, event in events:
+            pump = self._pumps.get(fd)
+            if pump is None:
+                continue
+            chunk = _read(fd)
+            if chunk:
+                reading += 1
+                busy = busy or len(chunk) >= COALESCE_BELOW
+                pump._feed(chunk, batch)
+                if event & _GONE:  # its writers left: what is left, and the EOF, now rather than a round later
+                    while chunk:
+                        chunk = _read(fd)
+                        if chunk:
+                            pump._feed(chunk, batch)
+            if chunk is not None and not chunk:
+                ended.append(pump)
+        for pump in ended:
+            self._unregister(pump)  # before its fd is closed: a new pipe may get the same number at once
+            pump._finish(batch)
+        batch.flush()
+        for pump in ended:
+            pump._done.set()
+        return busy, reading, ended
+
+    def _unregister(self, pump: LinePump) -> None:
+        with self._lock:
+            if self._pumps.get(pump.fd) is pump:
+                del self._pumps[pump.fd]
+                self._epoll.unregister(pump.fd)
+
+    def _drop(self, epoll: select.epoll, ended: List[LinePump]) -> bool:
+        """True when no pipe is left: the thread ends, and the next `add` starts another."""
+        with self._lock:
+            if self._pumps or self._epoll is not epoll:
+                return False
+            self._thread = None
+            self._epoll = None
+            epoll.close()
+            return True
+
+    def _failed(self, exc: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            reporter.warn("output forwarding failed; the output is still drained", pump="output-reader",
+                          error=f"{type(exc).__name__}: {exc}")
+
+
+_GONE = select.EPOLLHUP | select.EPOLLERR  # every writer of the pipe closed it (or it broke)
+
+
+def _read(fd: int) -> Optional[bytes]:
+    """A chunk of the pipe, b"" at its end, None when nothing is there (a pipe someone made non-blocking)."""
+    try:
+        return os.read(fd, READ_SIZE)
+    except BlockingIOError:
+        return None
+    except OSError:  # EIO and the like: the pipe is over, as at EOF
+        return b""
+
+
+def _window(reading: int, calm: int) -> float:
+    """How long the reader waits after a line for the ones that follow: `reading` pipes gave bytes in the last
+    round, and the last `calm` rounds (CALM_ROUNDS at most) brought no large read.
+
+    A round costs a cold wake-up (about 300 µs of CPU with one pipe on 2 shared cores), and a read and a write
+    per rank's log (about 26 µs per pipe, 64 ranks) whatever the lines: the longer the window, the more lines
+    share them. It starts at COALESCE_SECONDS, as each pipe's own thread once waited, doubles with each calm
+    round and grows with the pipes printing, up to COALESCE_MAX_SECONDS: the most a line is held back. A large
+    read starts it over (`calm` 0): a writer that bursts is blocked on its full pipe a window at most, once.
+    5 000 lines/s from 64 ranks: 8 lines per pipe per round at 100 ms, where 20 ms gave 1.5.
+    """
+    return min(COALESCE_MAX_SECONDS, COALESCE_SECONDS * max(1, reading) * (1 << calm))
+
+
+_reactor = _Reactor()
+
+
+def _after_fork_in_child() -> None:
+    # The child (the guard, forked by the supervisor) has no reader thread, and the parent's epoll is shared
+    # with it: a fresh reactor, and the inherited epoll closed (in the child only). Nothing is locked here, as
+    # the parent's lock may have been held by another thread at the fork.
+    global _reactor
+    inherited, _reactor = _reactor._epoll, _Reactor()
+    if inherited is not None:
+        inherited.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def tail_of(pumps: Sequence[LinePump], count: int, prefer: Optional[LinePump] = None) -> List[str]:
