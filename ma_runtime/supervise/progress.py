@@ -2,7 +2,7 @@
 matches it is the attempt's progress (supervise/hang.py).
 
 The pattern is the user's, and Python's `re` backtracks: `^(x+x+)+y` against a line of 40 `x` runs for hours,
-holding the GIL all along. Matched in the output pump's thread, as it once was, it froze the runtime (no signal
+holding the GIL all along. Matched in the thread that forwards the output, as it once was, it froze the runtime (no signal
 answered, no output forwarded, no `command exited`). The choices were a linear-time engine (none in the
 standard library; RE2 would be a new dependency, without Python's syntax), refusing patterns that can backtrack
 (no test is both sound and complete: `(.*a){25}` is only polynomial, and still runs for hours), a time box in
@@ -10,7 +10,7 @@ the runtime (impossible: the GIL is never given back), or matching off the runti
 last: the matching runs in a process of its own, the *matcher* (supervise/matcher.py, `python -I`, standard
 library only), and the runtime only hands it lines:
 
-- `ProgressSink.write` (called by every output pump) queues the chunk of whole lines; they go to the matcher
+- `ProgressSink.write` (called by util/output.py's reader for every pump) queues the chunk of whole lines; they go to the matcher
   on a socket, without ever waiting, at most every COALESCE_SECONDS (or as soon as 64 KiB wait). A matcher that
   falls behind has lines dropped, and counted; the workers' output never waits for it. A progress line lost
   that way only delays the progress (the next one counts).
@@ -25,7 +25,7 @@ library only), and the runtime only hands it lines:
   attempt's end (attempt_processes._HangWatch), ends it (killed: its answers no longer matter) and says what was not
   matched, if anything.
 
-Cost (benchmarks run through a LinePump, 2 shared cores): a chunk costs the pump a lock and a list append, with
+Cost (benchmarks run through the output reader, 2 shared cores): a chunk costs the reader a lock and a list append, with
 a non-blocking send at most 20 times a second, where it used to decode and search it: at 5 000 lines/s, one
 line a write, the runtime's CPU per line is within noise of the in-thread search (6-7 us); the matcher adds
 about 1 us a line in its own process, and 30 ms of CPU to start, once an attempt.
