@@ -2,18 +2,18 @@
 matches it is the attempt's progress (supervise/hang.py).
 
 The pattern is the user's, and Python's `re` backtracks: `^(x+x+)+y` against a line of 40 `x` runs for hours,
-holding the GIL all along. Matched in the thread that forwards the output, as it once was, it froze the runtime (no signal
-answered, no output forwarded, no `command exited`). The choices were a linear-time engine (none in the
-standard library; RE2 would be a new dependency, without Python's syntax), refusing patterns that can backtrack
-(no test is both sound and complete: `(.*a){25}` is only polynomial, and still runs for hours), a time box in
-the runtime (impossible: the GIL is never given back), or matching off the runtime's interpreter. This does the
-last: the matching runs in a process of its own, the *matcher* (supervise/matcher.py, `python -I`, standard
-library only), and the runtime only hands it lines:
+holding the GIL all along. Matched in the thread that forwards the output, as it once was, it froze the runtime (no
+signal answered, no output forwarded, no `command exited`). The choices were a linear-time engine (none in the
+standard library; RE2 would be a new dependency, without Python's syntax), refusing patterns that can backtrack (no
+test is both sound and complete: `(.*a){25}` is only polynomial, and still runs for hours), a time box in the
+runtime (impossible: the GIL is never given back), or matching off the runtime's interpreter. This does the last:
+the matching runs in a process of its own, the *matcher* (supervise/matcher.py, `python -I`, standard library
+only), and the runtime only hands it lines:
 
-- `ProgressSink.write` (called by util/output.py's reader for every pump) queues the chunk of whole lines; they go to the matcher
-  on a socket, without ever waiting, at most every COALESCE_SECONDS (or as soon as 64 KiB wait). A matcher that
-  falls behind has lines dropped, and counted; the workers' output never waits for it. A progress line lost
-  that way only delays the progress (the next one counts).
+- `ProgressSink.write` (called by util/output.py's reader for every pump) queues the chunk of whole lines; they go
+  to the matcher on a socket, without ever waiting, at most every COALESCE_SECONDS (or as soon as 64 KiB wait). A
+  matcher that falls behind has lines dropped, and counted; the workers' output never waits for it. A progress line
+  lost that way only delays the progress (the next one counts).
 - The matcher gives each search matcher.LINE_CPU_SECONDS of CPU at most: a line that takes more is skipped (not
   progress), the next lines are matched as usual (the matcher at a lower priority from then on), and one warning
   names the setting and how to fix it.
