@@ -119,6 +119,11 @@ def assert_nothing_left(result, workdir: Path) -> None:
     assert not marked_by_environment(f"{RUN_MARK}={workdir}"), "a process of the run outlived it"
 
 
+def agent_lines(result, node: int) -> list:
+    """The node's `torchrun started for the run` lines: the agent that restarts its ranks in place, with its flags."""
+    return node_lines(result, node, 'msg="torchrun started for the run: its ranks restart in place"')
+
+
 def marked_by_environment(assignment: str) -> list:
     wanted = assignment.encode() + b"\0"
     found = []
@@ -140,8 +145,11 @@ def test_torchrun_on_two_nodes_all_reduces_and_the_summary_says_succeeded(workdi
     assert ranks(result) == [(0, 0, 0, 0, 2, 0, "unset", 3), (1, 1, 1, 0, 2, 0, "unset", 3)], result.stdout[-4000:]
     for node in (0, 1):
         started = node_lines(result, node, 'msg="starting command"')
-        assert len(started) == 1 and f"--nproc_per_node=1 --node_rank={node} " in started[0], started
-        assert "--master_addr=ma-job-local-worker-0.ma-job-local" in started[0] and "method=torchrun" in started[0]
+        assert len(started) == 1 and "method=torchrun" in started[0], started
+        # Restarted in place on several nodes too: the flags are the agent's, started once for the run.
+        agent = agent_lines(result, node)
+        assert len(agent) == 1 and f"--nproc_per_node=1 --node_rank={node} " in agent[0], agent
+        assert "--master_addr=ma-job-local-worker-0.ma-job-local" in agent[0]
         log = workdir / "out" / f"node{node}" / "log" / f"modelarts-job-local-worker-{node}.log"
         assert "all_reduce 3" in log.read_text(), "the rank's line is in its node's task log"
         assert termination(workdir, node) == {}, "a node that exited 0 writes no termination message"
@@ -198,8 +206,8 @@ def test_fake_gpus_pass_the_preflight_and_torchrun_starts_one_rank_per_gpu(workd
         assert len(checked) == 1 and "item=gpu result=pass value=2 threshold=2 unit=count code=ok" in checked[0], \
             checked
         assert len(node_lines(result, node, 'msg="preflight passed"')) == 1
-        started = node_lines(result, node, 'msg="starting command"')
-        assert len(started) == 1 and f"--nnodes=2 --nproc_per_node=2 --node_rank={node} " in started[0], started
+        agent = agent_lines(result, node)
+        assert len(agent) == 1 and f"--nnodes=2 --nproc_per_node=2 --node_rank={node} " in agent[0], agent
     # 4 ranks: RANK 0-3 in node order, LOCAL_RANK 0-1 on each node, each sum 1+2+3+4. Nothing sets
     # CUDA_VISIBLE_DEVICES (the runtime leaves a rank's device to the job: LOCAL_RANK), as on the platform.
     assert ranks(result) == [(rank // 2, rank // 2, rank, rank % 2, 4, 2, "unset", 10) for rank in range(4)], \
