@@ -122,8 +122,9 @@ def _upload_part_sizes(size: int, count: int) -> List[int]:
     """The part sizes N parts of `size` bytes may have been uploaded in (every part but the last has it, the last
     is not empty and not longer), the likeliest first. When one size fits, that one; else the whole numbers of MiB
     that fit (boto3, the AWS CLI, the OBS SDK, rclone and this runtime upload in whole MiB), smallest first: the
-    parts are then equal or nearly, as a file cut in its tool's part size most often is (100 MiB in 4 parts: 25 to
-    33 MiB, 25 first). None when no whole MiB fits among several sizes, or more than MAX_FITTING do."""
+    parts are then equal or nearly, as a file cut in its tool's part size most often is (512 MiB in 16 parts: 32 to
+    34 MiB, 32 first). Empty when no whole MiB fits among several sizes, or more than MAX_FITTING do (100 MiB in 4
+    parts: 25 to 33 MiB)."""
     if count == 1:
         return [size] if size else []
     if size < count:
